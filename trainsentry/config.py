@@ -1,0 +1,228 @@
+"""Settings: one frozen object, read from a config file and the environment by the entry point.
+
+Libraries never read the environment; the CLI calls :func:`load_settings` once and passes
+the result down. Environment variables win over the config file (contract).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from trainsentry.errors import ConfigError
+
+__all__ = ["Secret", "Settings", "Topics", "load_settings", "ENV_VARS"]
+
+
+class Secret:
+    """A string that never shows itself in repr, str, logs or tracebacks."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def get(self) -> str:
+        return self._value
+
+    def __bool__(self) -> bool:
+        return bool(self._value)
+
+    def __repr__(self) -> str:
+        return "Secret('**********')" if self._value else "Secret('')"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(("Secret", self._value))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Secret, (self._value,))
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The contract's topic names under one prefix."""
+
+    prefix: str = "trainsentry."
+
+    @property
+    def data(self) -> str:
+        return f"{self.prefix}metrics.data"
+
+    @property
+    def compute(self) -> str:
+        return f"{self.prefix}metrics.compute"
+
+    @property
+    def resource(self) -> str:
+        return f"{self.prefix}metrics.resource"
+
+    @property
+    def runs(self) -> str:
+        return f"{self.prefix}runs"
+
+    @property
+    def alerts(self) -> str:
+        return f"{self.prefix}alerts"
+
+    @property
+    def control(self) -> str:
+        return f"{self.prefix}control"
+
+    @property
+    def deadletter(self) -> str:
+        return f"{self.prefix}deadletter"
+
+    def metrics(self, layer: str) -> str:
+        return f"{self.prefix}metrics.{layer}"
+
+    def all(self) -> list[str]:
+        return [self.data, self.compute, self.resource, self.runs, self.alerts, self.control,
+                self.deadletter]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the service and the producers need; secrets are :class:`Secret`."""
+
+    kafka_bootstrap: str = "127.0.0.1:9092"
+    topic_prefix: str = "trainsentry."
+    partitions: int = 4
+    dingtalk_url: Secret = field(default_factory=lambda: Secret(""))
+    dingtalk_secret: Secret = field(default_factory=lambda: Secret(""))
+    wecom_url: Secret = field(default_factory=lambda: Secret(""))
+    webhook_url: Secret = field(default_factory=lambda: Secret(""))
+    control_secret: Secret = field(default_factory=lambda: Secret(""))
+    web_port: int = 6066
+    web_host: str = "127.0.0.1"
+    language: str = "zh"
+    app_id: str = "trainsentry"
+    data_dir: str = ""
+    breaker_threshold: int = 3
+    detector_config: str = ""
+    # Kafka security (SASL/SSL clusters); empty = PLAINTEXT.
+    kafka_security_protocol: str = "PLAINTEXT"
+    kafka_sasl_mechanism: str = ""
+    kafka_sasl_username: str = ""
+    kafka_sasl_password: Secret = field(default_factory=lambda: Secret(""))
+    kafka_ssl_cafile: str = ""
+
+    @property
+    def topics(self) -> Topics:
+        return Topics(self.topic_prefix)
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings as a dict fit for a log line: secrets show only whether they are set."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = ("<set>" if value else "<unset>") if isinstance(value, Secret) else value
+        return out
+
+
+#: Environment variable → Settings field. The first block is the contract's.
+ENV_VARS: dict[str, str] = {
+    "TRAINSENTRY_KAFKA_BOOTSTRAP": "kafka_bootstrap",
+    "TRAINSENTRY_TOPIC_PREFIX": "topic_prefix",
+    "TRAINSENTRY_DINGTALK_URL": "dingtalk_url",
+    "TRAINSENTRY_DINGTALK_SECRET": "dingtalk_secret",
+    "TRAINSENTRY_WECOM_URL": "wecom_url",
+    "TRAINSENTRY_CONTROL_SECRET": "control_secret",
+    "TRAINSENTRY_WEB_PORT": "web_port",
+    # Our own additions (docs/configuration.md).
+    "TRAINSENTRY_WEBHOOK_URL": "webhook_url",
+    "TRAINSENTRY_WEB_HOST": "web_host",
+    "TRAINSENTRY_PARTITIONS": "partitions",
+    "TRAINSENTRY_LANGUAGE": "language",
+    "TRAINSENTRY_APP_ID": "app_id",
+    "TRAINSENTRY_DATA_DIR": "data_dir",
+    "TRAINSENTRY_BREAKER_THRESHOLD": "breaker_threshold",
+    "TRAINSENTRY_DETECTOR_CONFIG": "detector_config",
+    "TRAINSENTRY_KAFKA_SECURITY_PROTOCOL": "kafka_security_protocol",
+    "TRAINSENTRY_KAFKA_SASL_MECHANISM": "kafka_sasl_mechanism",
+    "TRAINSENTRY_KAFKA_SASL_USERNAME": "kafka_sasl_username",
+    "TRAINSENTRY_KAFKA_SASL_PASSWORD": "kafka_sasl_password",
+    "TRAINSENTRY_KAFKA_SSL_CAFILE": "kafka_ssl_cafile",
+}
+
+_FIELD_TYPES = {f.name: f for f in fields(Settings)}
+
+
+def _coerce(name: str, raw: Any, source: str) -> Any:
+    default = getattr(Settings(), name)
+    if isinstance(default, Secret):
+        return raw if isinstance(raw, Secret) else Secret(str(raw))
+    if isinstance(default, bool):
+        return str(raw).lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        try:
+            return int(raw)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: {name} must be an integer, got {raw!r}") from exc
+    return str(raw)
+
+
+def _validate(s: Settings) -> Settings:
+    if s.language not in ("zh", "en"):
+        raise ConfigError(f"language must be 'zh' or 'en', got {s.language!r} (TRAINSENTRY_LANGUAGE)")
+    if not 0 < s.web_port < 65536:
+        raise ConfigError(f"web_port must be 1..65535, got {s.web_port} (TRAINSENTRY_WEB_PORT)")
+    if s.partitions < 1:
+        raise ConfigError(f"partitions must be >= 1, got {s.partitions} (TRAINSENTRY_PARTITIONS)")
+    if s.breaker_threshold < 1:
+        raise ConfigError("breaker_threshold must be >= 1 (TRAINSENTRY_BREAKER_THRESHOLD)")
+    if not s.kafka_bootstrap:
+        raise ConfigError("kafka_bootstrap is empty; set TRAINSENTRY_KAFKA_BOOTSTRAP=host:port")
+    return s
+
+
+def load_settings(config_file: str | Path | None = None,
+                  env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    """Settings from defaults < config file (YAML or JSON) < environment < explicit overrides."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = config_file or env.get("TRAINSENTRY_CONFIG")
+    if path:
+        values.update(_read_file(Path(path)))
+    for var, name in ENV_VARS.items():
+        if var in env and env[var] != "":
+            values[name] = _coerce(name, env[var], var)
+    for name, raw in overrides.items():
+        if raw is not None:
+            values[name] = _coerce(name, raw, "argument")
+    return _validate(replace(Settings(), **values))
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; fix --config or TRAINSENTRY_CONFIG")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml  # in the [service] extra
+
+            raw = yaml.safe_load(text) or {}
+        else:
+            import json
+
+            raw = json.loads(text)
+    except Exception as exc:  # parse errors from either library
+        raise ConfigError(f"config file {path} could not be parsed: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of setting: value")
+    section = raw.get("service", raw)
+    out = {}
+    for key, value in section.items():
+        if key not in _FIELD_TYPES:
+            if key in ("detectors", "signals", "remediation", "alerting"):
+                continue  # other sections of the same file, read by their own loaders
+            raise ConfigError(f"config file {path}: unknown setting {key!r}; see docs/configuration.md")
+        out[key] = _coerce(key, value, str(path))
+    return out

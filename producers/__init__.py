@@ -6,6 +6,19 @@ to Kafka in a constructor, and nothing here raises into the training loop.
 
 from __future__ import annotations
 
+from producers.control import CommandVerifier, ControlListener
+from producers.kafka import KafkaOptions, make_sender
 from producers.layers import layer_of, signal_info, split_metrics
+from producers.producer import MetricsProducer, ProducerStats
 
-__all__ = ["layer_of", "signal_info", "split_metrics"]
+__all__ = [
+    "MetricsProducer",
+    "ProducerStats",
+    "ControlListener",
+    "CommandVerifier",
+    "KafkaOptions",
+    "make_sender",
+    "layer_of",
+    "signal_info",
+    "split_metrics",
+]

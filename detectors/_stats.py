@@ -1,0 +1,68 @@
+"""Small O(1) running statistics shared by the detectors (private helpers)."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["EWStats", "finite", "safe_ratio"]
+
+# Scores are capped so that 1e300-sized input never overflows into inf.
+SCORE_CAP = 1e9
+
+
+def finite(x: float) -> bool:
+    """Whether ``x`` is a finite real number (bools and ints pass)."""
+    try:
+        return math.isfinite(x)
+    except TypeError:
+        return False
+
+
+def safe_ratio(num: float, den: float, scale: float) -> float:
+    """``num / den`` capped at :data:`SCORE_CAP`; ``den`` is floored relative to ``scale``.
+
+    A zero spread (constant history) makes any change infinitely surprising; the floor
+    and the cap keep the score finite and ordered instead.
+    """
+    floor = 1e-12 * max(1.0, abs(scale))
+    if num == 0.0:
+        return 0.0
+    ratio = num / max(den, floor)
+    return min(SCORE_CAP, ratio) if math.isfinite(ratio) else SCORE_CAP
+
+
+class EWStats:
+    """Exponentially weighted mean and variance (West's update), O(1) and picklable.
+
+    The weight is ``max(alpha, 1 / n)`` so the first values give an ordinary running mean
+    instead of a start biased towards the first value.
+    """
+
+    __slots__ = ("alpha", "mean", "var", "n")
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.mean = 0.0
+        self.var = 0.0
+        self.n = 0
+
+    def update(self, x: float) -> None:
+        self.n += 1
+        a = max(self.alpha, 1.0 / self.n)
+        d = x - self.mean
+        self.mean += a * d
+        self.var = (1.0 - a) * (self.var + a * d * d)
+        if not math.isfinite(self.mean) or not math.isfinite(self.var):
+            # 1e300-scale input overflows the square; keep a usable, huge spread.
+            self.mean = x
+            self.var = 1e300
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var)
+
+    def __getstate__(self) -> tuple[float, float, float, int]:
+        return (self.alpha, self.mean, self.var, self.n)
+
+    def __setstate__(self, state: tuple[float, float, float, int]) -> None:
+        self.alpha, self.mean, self.var, self.n = state

@@ -1,0 +1,501 @@
+"""The detection and diagnosis engine: one engine for the stream app and ``trainsentry detect``.
+
+Per run it keeps a :class:`RunState` (pickle-able; the stream app stores it in a
+changelog-backed Faust table keyed by run_id). Events go in one at a time; out come
+:class:`~trainsentry.events.AlertEvent` and unsigned
+:class:`~trainsentry.events.ControlCommand` objects. Nothing here does I/O or reads a
+clock: time comes from the events (``ts``) or from the caller's tick, so the same input
+gives the same output online and offline.
+
+The step join: a run's three layers (and every rank's resource events) for a step
+arrive separately and in any order across topics. A step is evaluated as soon as every
+*part* (layer, rank) seen on the previous evaluated step has arrived, or when the
+watermark — the lowest latest-step over the run's live parts — has passed it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from detectors.catalog import Catalog
+from detectors.knowledge import KNOWLEDGE
+from detectors.monitor import Finding, SignalMonitor, _round
+from detectors.rules import Diagnosis, StepContext, diagnose
+from producers.layers import signal_info
+from trainsentry.events import AlertEvent, ControlCommand, MetricEvent, RunEvent
+
+__all__ = ["EngineConfig", "Engine", "RunState", "Output", "REMEDIATION_DEFAULTS"]
+
+Output = AlertEvent | ControlCommand
+Part = tuple[str, int]  # (layer, rank or -1 for driver-level events)
+
+#: Diagnosis → action when the circuit breaker trips (issue: remediation policy).
+REMEDIATION_DEFAULTS: dict[str, str] = {
+    "nan_loss": "rollback",
+    "kl_drift": "rollback",
+    "entropy_collapse": "rollback",
+    "memory_leak": "checkpoint_then_stop",
+    "numeric_underflow": "rollback",
+    "stalled_learning": "stop",
+    "training_hang": "alert",
+    "dataloader_stall": "alert",
+    "comm_degradation": "alert",
+    "straggler": "alert",
+    "unknown": "stop",
+}
+
+_MEAN_AGG = ("utilization", "cpu_load")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Tunables of the engine (docs/configuration.md)."""
+
+    breaker_threshold: int = 3  #: consecutive critical steps before a command
+    resolve_after_steps: int = 3  #: clear steps before a firing alert resolves
+    repeat_every_steps: int = 50  #: re-send a still-firing alert every N steps
+    watermark_lag_steps: int = 2  #: evaluate a step once every live part is this far ahead
+    stale_part_steps: int = 8  #: a part this far behind the newest step no longer holds the join
+    max_signals: int = 400  #: bound on monitored keys per run
+    hang_factor: float = 5.0  #: hang when no step for factor x p95 step interval...
+    hang_floor_s: float = 60.0  #: ...but never sooner than this
+    hang_min_steps: int = 5
+    remediation: tuple[tuple[str, str], ...] = tuple(REMEDIATION_DEFAULTS.items())
+    catalog: Catalog = field(default_factory=Catalog)
+
+    def action_for(self, label: str) -> str:
+        return dict(self.remediation).get(label, "stop")
+
+
+@dataclass
+class _Pending:
+    ts: float
+    parts: dict[Part, dict[str, float]] = field(default_factory=dict)
+    hosts: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class _AlertState:
+    label: str
+    fingerprint: str
+    since_step: int
+    last_sent_step: int
+    clear_steps: int = 0
+    repeats: int = 0
+    severity: str = "warning"
+    last_alert_id: str = ""
+
+
+class RunState:
+    """Everything the engine remembers about one run; pickled into the Faust table."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.attempt = 0
+        self.config: dict[str, Any] = {}
+        self.pending: dict[int, _Pending] = {}
+        self.part_latest: dict[Part, int] = {}
+        self.expected: set[Part] = set()
+        self.last_evaluated = -1
+        self.max_step = -1
+        self.monitors: dict[str, SignalMonitor] = {}
+        self.history: dict[str, deque[float]] = {}
+        self.streaks: dict[str, int] = {}
+        self.alerts: dict[str, _AlertState] = {}
+        self.critical_streak = 0
+        self.streak_start_step = -1
+        self.streak_alert_ids: list[str] = []
+        self.breaker_fired = False
+        self.checkpoints: list[tuple[int, float]] = []
+        self.critical_steps: deque[int] = deque(maxlen=500)
+        self.last_step_ts: float | None = None
+        self.last_seen_ts: float | None = None
+        self.last_beat_ts: float | None = None
+        self.intervals: deque[float] = deque(maxlen=100)
+        self.hang_fired = False
+        self.finished = False
+        self.late_events = 0
+        self.steps_evaluated = 0
+        self.last_diagnoses: list[str] = []
+
+
+def _fingerprint(run_id: str, label: str, rank: int | None = None) -> str:
+    raw = f"{run_id}|{label}" + (f"|rank={rank}" if rank is not None else "")
+    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
+def _alert_id(fp: str, attempt: int, step: int, status: str, n: int) -> str:
+    return hashlib.sha1(f"{fp}|{attempt}|{step}|{status}|{n}".encode()).hexdigest()[:24]
+
+
+class Engine:
+    """Stateless logic over a caller-held :class:`RunState` (one per run)."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+
+    # ----------------------------------------------------------------- entry points
+    def new_state(self, run_id: str) -> RunState:
+        return RunState(run_id)
+
+    def process(self, state: RunState, event: MetricEvent | RunEvent) -> list[Output]:
+        """Feed one event of ``state``'s run; returns alerts and commands to publish."""
+        if isinstance(event, RunEvent):
+            return self._on_run_event(state, event)
+        return self._on_metric(state, event)
+
+    def tick(self, state: RunState, now: float) -> list[Output]:
+        """Periodic check with the wall clock (the stream app's timer): hang detection."""
+        return self._check_hang(state, now, source="timer")
+
+    def flush(self, state: RunState) -> list[Output]:
+        """Evaluate every pending step (end of an offline file)."""
+        out: list[Output] = []
+        for step in sorted(state.pending):
+            out += self._evaluate(state, step)
+        return out
+
+    # ----------------------------------------------------------------- run events
+    def _on_run_event(self, state: RunState, ev: RunEvent) -> list[Output]:
+        out: list[Output] = []
+        self._new_attempt(state, ev.attempt)
+        if ev.type == "run_started":
+            cfg = ev.fields.get("config")
+            if isinstance(cfg, dict):
+                state.config = dict(cfg)
+            state.finished = False
+        elif ev.type == "checkpoint_saved" and ev.step is not None:
+            state.checkpoints.append((ev.step, ev.ts))
+            del state.checkpoints[:-50]
+        elif ev.type == "heartbeat":
+            state.last_beat_ts = max(state.last_beat_ts or ev.ts, ev.ts)
+            out += self._check_hang(state, ev.ts, source="heartbeat")
+        elif ev.type == "run_finished":
+            out += self.flush(state)
+            state.finished = True
+            out += self._resolve_all(state, ev.ts, reason="run finished")
+        state.last_seen_ts = max(state.last_seen_ts or ev.ts, ev.ts)
+        return out
+
+    def _new_attempt(self, state: RunState, attempt: int) -> None:
+        if attempt > state.attempt:
+            # A restart/rollback: the join and streaks start over; baselines are kept.
+            state.attempt = attempt
+            state.pending.clear()
+            state.part_latest.clear()
+            state.expected.clear()
+            state.last_evaluated = -1
+            state.max_step = -1
+            state.critical_streak = 0
+            state.breaker_fired = False
+            state.hang_fired = False
+            state.streaks.clear()
+            state.last_step_ts = None
+
+    # ----------------------------------------------------------------- the join
+    def _on_metric(self, state: RunState, ev: MetricEvent) -> list[Output]:
+        if ev.attempt < state.attempt:
+            state.late_events += 1
+            return []
+        self._new_attempt(state, ev.attempt)
+        out: list[Output] = []
+        if ev.layer == "resource" and ev.step <= state.last_evaluated:
+            # A resource sample of a step already evaluated: still proof of life.
+            state.last_beat_ts = max(state.last_beat_ts or ev.ts, ev.ts)
+            out += self._check_hang(state, ev.ts, source="resource")
+            return out
+        if ev.step <= state.last_evaluated:
+            state.late_events += 1
+            return out
+        part: Part = (ev.layer, ev.rank if ev.rank is not None else -1)
+        pending = state.pending.get(ev.step)
+        if pending is None:
+            pending = state.pending[ev.step] = _Pending(ts=ev.ts)
+        pending.ts = min(pending.ts, ev.ts)
+        pending.parts.setdefault(part, {}).update(ev.metrics)
+        if ev.host is not None and ev.rank is not None:
+            pending.hosts[ev.rank] = ev.host
+        state.part_latest[part] = max(state.part_latest.get(part, -1), ev.step)
+        state.max_step = max(state.max_step, ev.step)
+        state.last_seen_ts = max(state.last_seen_ts or ev.ts, ev.ts)
+        if ev.layer == "resource":
+            state.last_beat_ts = max(state.last_beat_ts or ev.ts, ev.ts)
+        for step in sorted(state.pending):
+            if self._ready(state, step):
+                out += self._evaluate(state, step)
+            else:
+                break
+        return out
+
+    def _ready(self, state: RunState, step: int) -> bool:
+        pending = state.pending[step]
+        if state.expected and state.expected <= set(pending.parts):
+            return True
+        live = [latest for latest in state.part_latest.values()
+                if state.max_step - latest <= self.config.stale_part_steps]
+        watermark = min(live) if live else -1
+        return watermark - step >= self.config.watermark_lag_steps
+
+    # ----------------------------------------------------------------- evaluation
+    def _evaluate(self, state: RunState, step: int) -> list[Output]:
+        pending = state.pending.pop(step)
+        for older in [s for s in state.pending if s < step]:
+            state.pending.pop(older)  # cannot happen in order; keep the table bounded anyway
+        state.expected = set(pending.parts)
+        state.last_evaluated = step
+        state.steps_evaluated += 1
+        if state.last_step_ts is not None and pending.ts > state.last_step_ts:
+            state.intervals.append(pending.ts - state.last_step_ts)
+        state.last_step_ts = pending.ts if state.last_step_ts is None else max(state.last_step_ts, pending.ts)
+        state.hang_fired = False
+
+        values, ranks = self._aggregate(pending)
+        roles: dict[str, float] = {}
+        findings: dict[str, Finding] = {}
+        role_findings: dict[str, Finding] = {}
+        baselines: dict[str, tuple[float, float, float]] = {}
+        nonfinite: list[str] = []
+        role_sums: dict[str, float] = {}
+        for key, value in values.items():
+            info = signal_info(key)
+            if not math.isfinite(value):
+                nonfinite.append(key)
+                continue
+            if info.role:
+                scaled = value * info.scale
+                if info.role == "forward_time":
+                    role_sums["forward_time"] = role_sums.get("forward_time", 0.0) + scaled
+                elif info.role == "kl":
+                    roles["kl"] = max(roles.get("kl", -math.inf), scaled)
+                else:
+                    roles.setdefault(info.role, scaled)
+            monitor = state.monitors.get(key)
+            if monitor is None:
+                if len(state.monitors) >= self.config.max_signals:
+                    continue
+                monitor = state.monitors[key] = SignalMonitor(key, self.config.catalog.policy(key))
+            finding = monitor.observe(value)
+            if info.role and info.role not in baselines:
+                base = monitor.baseline()
+                if base is not None:
+                    baselines[info.role] = base
+            if finding is not None and monitor.policy.watch:
+                findings[key] = finding
+            if finding is not None and info.role and info.role not in role_findings:
+                role_findings[info.role] = finding
+        roles.update(role_sums)
+        if "forward_time" in role_sums:
+            self._role_monitor(state, "forward_time", role_sums["forward_time"], role_findings,
+                               baselines)
+        for role, value in roles.items():
+            state.history.setdefault(role, deque(maxlen=30)).append(value)
+
+        ctx = StepContext(run_id=state.run_id, step=step, ts=pending.ts, values=values,
+                          roles=roles, findings=findings, role_findings=role_findings,
+                          baselines=baselines, history=state.history, ranks=ranks,
+                          hosts=pending.hosts, config=state.config, streaks=state.streaks,
+                          nonfinite=nonfinite)
+        diagnoses = diagnose(ctx)
+        return self._lifecycle(state, step, pending.ts, diagnoses)
+
+    def _role_monitor(self, state: RunState, role: str, value: float,
+                      role_findings: dict[str, Finding], baselines: dict[str, tuple[float, float, float]]) -> None:
+        """A monitor over a derived role value (e.g. total forward time)."""
+        key = f"role:{role}"
+        monitor = state.monitors.get(key)
+        if monitor is None:
+            from detectors.catalog import DEFAULT_BY_ROLE
+
+            monitor = state.monitors[key] = SignalMonitor(key, DEFAULT_BY_ROLE[role])
+        finding = monitor.observe(value)
+        base = monitor.baseline()
+        role_findings.pop(role, None)
+        if finding is not None:
+            role_findings[role] = finding
+        if base is not None:
+            baselines[role] = base
+
+    @staticmethod
+    def _aggregate(pending: _Pending) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
+        """Driver-level values as they are; per-rank values reduced over ranks (mean for
+        utilisation and load, max otherwise) and kept per rank for peer comparison."""
+        values: dict[str, float] = {}
+        ranks: dict[int, dict[str, float]] = {}
+        per_key: dict[str, list[float]] = {}
+        for (_layer, rank), metrics in pending.parts.items():
+            if rank < 0:
+                values.update(metrics)
+                continue
+            ranks.setdefault(rank, {}).update(metrics)
+            for key, value in metrics.items():
+                per_key.setdefault(key, []).append(value)
+        for key, xs in per_key.items():
+            if key in values:
+                continue
+            finite = [x for x in xs if math.isfinite(x)]
+            if not finite:
+                values[key] = math.nan
+            elif any(tag in key for tag in _MEAN_AGG):
+                values[key] = sum(finite) / len(finite)
+            else:
+                values[key] = max(finite)
+        return values, ranks
+
+    # ----------------------------------------------------------------- alerts
+    def _lifecycle(self, state: RunState, step: int, ts: float,
+                   diagnoses: list[Diagnosis]) -> list[Output]:
+        out: list[Output] = []
+        primary: list[Diagnosis] = []
+        secondary_of: dict[str, list[str]] = {}
+        for d in diagnoses:
+            owner = next((p for p in primary if set(p.evidence) & set(d.evidence)
+                          or (d.label == "unknown" and p.label != "unknown")), None)
+            if owner is None:
+                primary.append(d)
+            else:
+                secondary_of.setdefault(owner.label, []).append(d.label)
+        state.last_diagnoses = [d.label for d in primary]
+        holding = set()
+        for d in primary:
+            fp = _fingerprint(state.run_id, d.label, d.rank if d.label == "straggler" else None)
+            holding.add(fp)
+            st = state.alerts.get(fp)
+            if st is None:
+                st = state.alerts[fp] = _AlertState(d.label, fp, step, step, severity=d.severity)
+                out.append(self._alert(state, st, d, step, ts, "firing", secondary_of.get(d.label, [])))
+            else:
+                st.clear_steps = 0
+                escalated = d.severity == "critical" and st.severity != "critical"
+                if escalated or step - st.last_sent_step >= self.config.repeat_every_steps:
+                    st.repeats += 0 if escalated else 1
+                    st.severity = d.severity
+                    st.last_sent_step = step
+                    out.append(self._alert(state, st, d, step, ts, "firing",
+                                           secondary_of.get(d.label, [])))
+        for fp, st in list(state.alerts.items()):
+            if fp in holding:
+                continue
+            st.clear_steps += 1
+            if st.clear_steps >= self.config.resolve_after_steps:
+                del state.alerts[fp]
+                out.append(self._resolved(state, st, step, ts, f"clear for {st.clear_steps} steps"))
+        out += self._breaker(state, step, ts, primary, out)
+        return out
+
+    def _alert(self, state: RunState, st: _AlertState, d: Diagnosis, step: int, ts: float,
+               status: str, secondary: list[str]) -> AlertEvent:
+        know = KNOWLEDGE.get(d.label, KNOWLEDGE["unknown"])
+        aid = _alert_id(st.fingerprint, state.attempt, step, status, st.repeats)
+        st.last_alert_id = aid
+        summary = f"{d.label}: {d.summary}"
+        return AlertEvent(
+            id=aid, fingerprint=st.fingerprint, run_id=state.run_id, status=status,
+            severity=d.severity, diagnosis=d.label, step=step, ts=ts, summary=summary,
+            evidence=d.evidence, actions=list(know.actions), attempt=state.attempt,
+            confidence=round(d.confidence, 3), secondary=sorted(set(secondary)),
+            checks=list(know.checks), host=d.host, rank=d.rank,
+        )
+
+    def _resolved(self, state: RunState, st: _AlertState, step: int, ts: float,
+                  reason: str) -> AlertEvent:
+        aid = _alert_id(st.fingerprint, state.attempt, step, "resolved", st.repeats)
+        return AlertEvent(
+            id=aid, fingerprint=st.fingerprint, run_id=state.run_id, status="resolved",
+            severity=st.severity, diagnosis=st.label, step=step, ts=ts,
+            summary=f"{st.label}: resolved at step {step} ({reason}); firing since step {st.since_step}",
+            evidence={}, actions=[], attempt=state.attempt,
+        )
+
+    def _resolve_all(self, state: RunState, ts: float, *, reason: str) -> list[Output]:
+        out: list[Output] = []
+        for fp, st in list(state.alerts.items()):
+            del state.alerts[fp]
+            out.append(self._resolved(state, st, max(state.last_evaluated, 0), ts, reason))
+        return out
+
+    # ----------------------------------------------------------------- circuit breaker
+    def _breaker(self, state: RunState, step: int, ts: float, primary: list[Diagnosis],
+                 emitted: list[Output]) -> list[Output]:
+        critical = [d for d in primary if d.severity == "critical"]
+        if not critical:
+            state.critical_streak = 0
+            state.streak_alert_ids = []
+            return []
+        if state.critical_streak == 0:
+            state.streak_start_step = step
+        state.critical_streak += 1
+        state.critical_steps.append(step)
+        for a in emitted:
+            if isinstance(a, AlertEvent) and a.severity == "critical":
+                state.streak_alert_ids.append(a.id)
+        for d in critical:
+            fp = _fingerprint(state.run_id, d.label, d.rank if d.label == "straggler" else None)
+            st = state.alerts.get(fp)
+            if st and st.last_alert_id and st.last_alert_id not in state.streak_alert_ids:
+                state.streak_alert_ids.append(st.last_alert_id)
+        if state.critical_streak < self.config.breaker_threshold or state.breaker_fired:
+            return []
+        lead = critical[0]
+        action = self.config.action_for(lead.label)
+        if action == "alert":
+            return []
+        state.breaker_fired = True
+        reason = (f"{state.critical_streak} consecutive critical alerts: {lead.label}"
+                  f" ({lead.critical_reason or lead.summary})")
+        to_step = None
+        if action == "rollback":
+            to_step = self.rollback_target(state)
+            if to_step is None:
+                action, reason = "stop", reason + "; no healthy checkpoint to roll back to"
+        wire_action = "stop" if action == "checkpoint_then_stop" else action
+        if action == "checkpoint_then_stop":
+            reason += "; save a checkpoint first"
+        cid = hashlib.sha1(f"{state.run_id}|{state.attempt}|{step}|{wire_action}".encode()).hexdigest()[:24]
+        return [ControlCommand(id=cid, run_id=state.run_id, action=wire_action, reason=reason,
+                               issued_at=ts, alert_ids=list(dict.fromkeys(state.streak_alert_ids)),
+                               to_step=to_step)]
+
+    def rollback_target(self, state: RunState) -> int | None:
+        """Newest checkpoint saved before the streak's first anomaly, at a step with no
+        critical alert."""
+        bad = set(state.critical_steps)
+        for ckpt_step, _ts in sorted(state.checkpoints, reverse=True):
+            if ckpt_step < state.streak_start_step and ckpt_step not in bad:
+                return ckpt_step
+        return None
+
+    # ----------------------------------------------------------------- hangs
+    def _check_hang(self, state: RunState, now: float, *, source: str) -> list[Output]:
+        if (state.hang_fired or state.finished or state.last_step_ts is None
+                or state.steps_evaluated < self.config.hang_min_steps):
+            return []
+        ordered = sorted(state.intervals)
+        p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] if ordered else 0.0
+        limit = max(self.config.hang_floor_s, self.config.hang_factor * p95)
+        silent_for = now - state.last_step_ts
+        if silent_for <= limit:
+            return []
+        state.hang_fired = True
+        beats = state.last_beat_ts is not None and state.last_beat_ts > state.last_step_ts + 1.0
+        alive = beats and (now - (state.last_beat_ts or 0)) < limit
+        how = ("process alive but stuck (heartbeats/resource samples still arrive): "
+               "a hung collective (NCCL) or a deadlock" if alive else
+               "everything went silent: the process or host is probably dead")
+        d = Diagnosis("training_hang", "critical", 0.9 if alive else 0.8,
+                      f"no new step for {silent_for:.0f}s after step {state.last_evaluated} "
+                      f"(usual p95 step interval {p95:.0f}s, limit {limit:.0f}s); {how}",
+                      {"seconds_since_last_step": {"value": _round(silent_for),
+                                                   "baseline": _round(p95), "bound": _round(limit),
+                                                   "heartbeats": bool(alive)}},
+                      critical_reason="no step for far longer than usual")
+        fp = _fingerprint(state.run_id, "training_hang")
+        st = state.alerts.get(fp)
+        if st is not None:
+            return []
+        st = state.alerts[fp] = _AlertState("training_hang", fp, state.last_evaluated,
+                                            state.last_evaluated, severity="critical")
+        return [self._alert(state, st, d, state.last_evaluated, now, "firing", [])]

@@ -1,0 +1,192 @@
+"""The Faust application: thin agents over the pure pipeline.
+
+- ``detect`` agent: the three metrics topics and the runs topic (co-partitioned by
+  run_id) → per-run state in the ``run_state`` table (changelog-backed, so a restarted or
+  new worker resumes detection without re-warming) → alerts and signed commands.
+- ``hang`` timer: wall-clock check of every local run (training_hang).
+- ``notify`` agent: alerts topic → chat (see stream_app/notify.py).
+- HTTP: ``/healthz``, ``/readyz``, ``/metrics`` and the dashboard on the web port.
+
+Nothing here connects in a constructor: :func:`build_app` only declares.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from detectors.engine import Engine, EngineConfig, RunState
+from stream_app.pipeline import Outcome, Pipeline, Record, dump_state, load_state
+from trainsentry.config import Settings
+from trainsentry.errors import EventError
+
+__all__ = ["build_app", "ServiceState"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServiceState:
+    """In-process counters and caches, shared by agents and HTTP views of one worker."""
+
+    consumed: dict[str, int] = field(default_factory=dict)
+    deadletters: int = 0
+    alerts: int = 0
+    commands: int = 0
+    started: float = field(default_factory=time.time)
+    ready: bool = False
+    cache: dict[str, RunState] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _broker_url(bootstrap: str) -> str:
+    return ";".join(f"kafka://{h.strip()}" for h in bootstrap.split(",") if h.strip())
+
+
+def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
+              notifier: Any | None = None, hang_interval_s: float = 5.0) -> Any:
+    """Declare the Faust app (agents, tables, timer, web views). Returns ``faust.App``."""
+    import faust
+
+    topics = settings.topics
+    engine = Engine(engine_config or EngineConfig(breaker_threshold=settings.breaker_threshold))
+    pipeline = Pipeline(engine=engine, topics=topics, control_secret=settings.control_secret)
+    svc = ServiceState()
+
+    app_kwargs: dict[str, Any] = dict(
+        broker=_broker_url(settings.kafka_bootstrap),
+        store="memory://",
+        topic_partitions=settings.partitions,
+        topic_replication_factor=1,
+        web_enabled=True,
+        web_port=settings.web_port,
+        web_bind=settings.web_host,
+        web_host=settings.web_host,
+        consumer_auto_offset_reset="earliest",
+        table_standby_replicas=0,
+        broker_commit_every=100,
+        broker_commit_interval=1.0,
+        producer_acks=-1,
+        stream_wait_empty=False,
+    )
+    if settings.data_dir:
+        app_kwargs["datadir"] = settings.data_dir
+    credentials = _credentials(settings)
+    if credentials is not None:
+        app_kwargs["broker_credentials"] = credentials
+    app = faust.App(settings.app_id, **app_kwargs)
+    app.trainsentry = svc  # type: ignore[attr-defined]
+    app.trainsentry_pipeline = pipeline  # type: ignore[attr-defined]
+
+    raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+    source = app.topic(topics.data, topics.compute, topics.resource, topics.runs,
+                       partitions=settings.partitions, **raw)
+    alerts_topic = app.topic(topics.alerts, partitions=settings.partitions, **raw)
+    control_topic = app.topic(topics.control, partitions=settings.partitions, **raw)
+    deadletter_topic = app.topic(topics.deadletter, partitions=settings.partitions, **raw)
+    sinks = {topics.alerts: alerts_topic, topics.control: control_topic,
+             topics.deadletter: deadletter_topic}
+    run_table = app.Table("run_state", default=None, partitions=settings.partitions,
+                          key_type=bytes, value_type=bytes, key_serializer="raw",
+                          value_serializer="raw")
+
+    async def send(record: Record) -> None:
+        await sinks[record.topic].send(key=record.key, value=record.value,
+                                       headers=list(record.headers) or None)
+
+    def get_state(run_id: str) -> RunState:
+        state = svc.cache.get(run_id)
+        if state is None:
+            stored = run_table.get(run_id.encode())
+            state = load_state(stored) if stored else engine.new_state(run_id)
+            svc.cache[run_id] = state
+        return state
+
+    async def publish(outcome: Outcome, state: RunState) -> None:
+        run_table[state.run_id.encode()] = dump_state(state)
+        for record in outcome.records:
+            await send(record)
+            if record.topic == topics.alerts:
+                svc.alerts += 1
+            elif record.topic == topics.control:
+                svc.commands += 1
+
+    @app.agent(source, name="trainsentry.detect")
+    async def detect(stream: Any) -> None:
+        async for event in stream.events():
+            msg = event.message
+            svc.consumed[msg.topic] = svc.consumed.get(msg.topic, 0) + 1
+            try:
+                decoded = pipeline.decode(msg.topic, event.key, event.value)
+            except EventError as exc:
+                svc.deadletters += 1
+                log.warning("dead-lettered record %s[%d]@%d: %s", msg.topic, msg.partition,
+                            msg.offset, exc)
+                await send(pipeline.deadletter(msg.topic, msg.partition, msg.offset, event.key,
+                                               event.value, str(exc)))
+                continue
+            state = get_state(decoded.run_id)
+            try:
+                outcome = pipeline.handle(state, decoded)
+            except Exception as exc:  # a bug must not stop every other run
+                svc.deadletters += 1
+                svc.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                del svc.errors[:-20]
+                log.exception("engine failed on %s[%d]@%d; dead-lettered", msg.topic,
+                              msg.partition, msg.offset)
+                await send(pipeline.deadletter(msg.topic, msg.partition, msg.offset, event.key,
+                                               event.value, f"engine error: {type(exc).__name__}: {exc}"))
+                continue
+            await publish(outcome, state)
+
+    @app.timer(interval=hang_interval_s, name="trainsentry.hang")
+    async def hang_check() -> None:
+        now = time.time()
+        for run_id, state in list(svc.cache.items()):
+            outcome = pipeline.tick(state, now)
+            if outcome.outputs:
+                await publish(outcome, state)
+
+    @app.on_partitions_revoked.connect  # type: ignore[misc]
+    async def on_revoked(app_: Any, revoked: Any, **_: Any) -> None:
+        # The cache is only valid for partitions we own; the table is the truth.
+        svc.cache.clear()
+
+    @app.on_partitions_assigned.connect  # type: ignore[misc]
+    async def on_assigned(app_: Any, assigned: Any, **_: Any) -> None:
+        svc.ready = True
+
+    if notifier is not None:
+        from stream_app.notify import install_notifier
+
+        install_notifier(app, alerts_topic=alerts_topic, notifier=notifier, svc=svc,
+                         partitions=settings.partitions)
+
+    from stream_app.web import install_views
+
+    install_views(app, svc=svc, settings=settings, run_table=run_table)
+    return app
+
+
+def _credentials(settings: Settings) -> Any:
+    import faust
+
+    proto = settings.kafka_security_protocol.upper()
+    if proto == "PLAINTEXT":
+        return None
+    ssl_context = None
+    if proto in ("SSL", "SASL_SSL"):
+        import ssl
+
+        ssl_context = ssl.create_default_context(cafile=settings.kafka_ssl_cafile or None)
+    if proto.startswith("SASL"):
+        return faust.SASLCredentials(
+            username=settings.kafka_sasl_username,
+            password=settings.kafka_sasl_password.get(),
+            mechanism=settings.kafka_sasl_mechanism or "PLAIN",
+            ssl_context=ssl_context,
+        )
+    return faust.SSLCredentials(ssl_context)

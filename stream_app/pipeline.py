@@ -1,0 +1,122 @@
+"""The pure part of the stream app: decode a record, run the engine, encode what comes out.
+
+The Faust agents (stream_app/app.py) stay thin: they fetch a run's state, call
+:meth:`Pipeline.handle`, store the state and send the returned records. Everything here
+is testable without Kafka.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from dataclasses import dataclass, field
+
+from detectors.engine import Engine, Output, RunState
+from trainsentry.config import Secret, Topics
+from trainsentry.errors import EventError
+from trainsentry.events import (
+    MAX_RECORD_BYTES,
+    AlertEvent,
+    ControlCommand,
+    MetricEvent,
+    RunEvent,
+    decode_record,
+    dumps,
+)
+from trainsentry.signing import sign_command
+
+__all__ = ["Pipeline", "Record", "Outcome", "dump_state", "load_state"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A record to send: topic, key bytes, value bytes, headers."""
+
+    topic: str
+    key: bytes
+    value: bytes
+    headers: tuple[tuple[str, bytes], ...] = ()
+
+
+@dataclass
+class Outcome:
+    run_id: str | None = None
+    records: list[Record] = field(default_factory=list)
+    outputs: list[Output] = field(default_factory=list)
+    deadletter: Record | None = None
+    state_changed: bool = False
+
+
+def dump_state(state: RunState) -> bytes:
+    return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def load_state(raw: bytes) -> RunState:
+    state = pickle.loads(raw)  # noqa: S301 - our own changelog topic, written by this service
+    if not isinstance(state, RunState):
+        raise TypeError("run_state table holds something that is not a RunState")
+    return state
+
+
+class Pipeline:
+    """Decode → engine → signed/encoded records (or a dead letter with the reason)."""
+
+    def __init__(self, *, engine: Engine, topics: Topics, control_secret: Secret,
+                 max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+        self.engine = engine
+        self.topics = topics
+        self._secret = control_secret
+        self.max_record_bytes = max_record_bytes
+        self._kind = {topics.data: "metric", topics.compute: "metric", topics.resource: "metric",
+                      topics.runs: "run"}
+        self._layer = {topics.data: "data", topics.compute: "compute", topics.resource: "resource"}
+
+    def decode(self, topic: str, key: bytes | None, value: bytes | None) -> MetricEvent | RunEvent:
+        kind = self._kind.get(topic)
+        if kind is None:
+            raise EventError(f"record from unexpected topic {topic!r}")
+        event = decode_record(value, kind, max_bytes=self.max_record_bytes)  # type: ignore[arg-type]
+        assert isinstance(event, (MetricEvent, RunEvent))
+        if isinstance(event, MetricEvent) and event.layer != self._layer[topic]:
+            raise EventError(f"MetricEvent layer {event.layer!r} sent to the {self._layer[topic]} "
+                             f"topic {topic}; publish each layer to its own topic")
+        if key is not None and key and key != event.run_id.encode():
+            raise EventError(f"record key {key[:80]!r} differs from run_id {event.run_id!r}; "
+                             "key records by run_id (plain UTF-8) so a run stays in one partition")
+        return event
+
+    def deadletter(self, topic: str, partition: int, offset: int, key: bytes | None,
+                   value: bytes | None, reason: str) -> Record:
+        headers = (("reason", reason.encode()[:1000]), ("original_topic", topic.encode()),
+                   ("original_partition", str(partition).encode()),
+                   ("original_offset", str(offset).encode()))
+        body = value if value is not None else b""
+        if len(body) > self.max_record_bytes:
+            body = body[: self.max_record_bytes]
+            headers += (("truncated", b"true"),)
+        return Record(self.topics.deadletter, key or b"", body, headers)
+
+    def handle(self, state: RunState, event: MetricEvent | RunEvent) -> Outcome:
+        outputs = self.engine.process(state, event)
+        return self.encode(state.run_id, outputs)
+
+    def tick(self, state: RunState, now: float) -> Outcome:
+        return self.encode(state.run_id, self.engine.tick(state, now))
+
+    def encode(self, run_id: str, outputs: list[Output]) -> Outcome:
+        out = Outcome(run_id=run_id, outputs=outputs, state_changed=True)
+        key = run_id.encode()
+        for o in outputs:
+            if isinstance(o, AlertEvent):
+                out.records.append(Record(self.topics.alerts, key, dumps(o)))
+            elif isinstance(o, ControlCommand):
+                if not self._secret:
+                    log.error("circuit breaker tripped for run %s (%s) but no control secret is "
+                              "set; set TRAINSENTRY_CONTROL_SECRET to publish signed commands",
+                              run_id, o.reason)
+                    continue
+                signed = sign_command(o, self._secret.get())
+                out.records.append(Record(self.topics.control, key, dumps(signed)))
+        return out

@@ -1,0 +1,51 @@
+"""``trainsentry serve``: create topics, build the app and the notifier, run one Faust worker."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import replace
+
+from detectors.catalog import load_catalog
+from detectors.engine import EngineConfig
+from stream_app.app import build_app
+from trainsentry.config import Settings
+
+__all__ = ["run_service", "build_notifier"]
+
+log = logging.getLogger(__name__)
+
+
+def build_notifier(settings: Settings) -> object | None:
+    """The chat deliverer for the configured receivers, or None when none is configured."""
+    from notifiers.factory import notifier_from_settings
+
+    return notifier_from_settings(settings)
+
+
+def run_service(settings: Settings, *, workdir: str | None = None) -> int:
+    """Run one worker until SIGTERM/SIGINT; returns the exit code."""
+    from faust.worker import Worker
+
+    from trainsentry.topics import create_topics, wait_for_broker
+
+    log.info("trainsentry serve starting with %s", settings.redacted())
+    if not settings.control_secret:
+        log.warning("TRAINSENTRY_CONTROL_SECRET is not set: the circuit breaker will alert but "
+                    "publish no stop/rollback commands")
+    wait_for_broker(settings.kafka_bootstrap, timeout=60)
+    create_topics(bootstrap=settings.kafka_bootstrap, topics=settings.topics,
+                  partitions=settings.partitions)
+    if not settings.data_dir:
+        settings = replace(settings, data_dir=workdir or tempfile.mkdtemp(prefix="trainsentry-worker-"))
+    engine_config = EngineConfig(breaker_threshold=settings.breaker_threshold,
+                                 catalog=load_catalog(settings.detector_config or None))
+    notifier = build_notifier(settings)
+    app = build_app(settings, engine_config=engine_config, notifier=notifier)
+    worker = Worker(app, loglevel=logging.getLevelName(logging.getLogger().level).lower(),
+                    redirect_stdouts=False, override_logging=False, quiet=True)
+    try:
+        worker.execute_from_commandline()
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0

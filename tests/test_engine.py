@@ -1,0 +1,191 @@
+"""The engine: step join, critical conditions, circuit breaker, rollback target, hangs."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from detectors.engine import Engine, EngineConfig
+from trainsentry.events import AlertEvent, ControlCommand, MetricEvent, RunEvent
+
+
+def _step_events(run_id: str, step: int, ts: float, *, gen: float = 3.0, util: float = 85.0,
+                 fwd: float = 2.0, loss: float = 0.1, kl: float = 0.02, empty: float = 0.01,
+                 length: float = 500.0, rng: random.Random) -> list[MetricEvent]:
+    n = lambda x, s=0.03: x * (1 + rng.gauss(0, s))  # noqa: E731
+    return [
+        MetricEvent(run_id=run_id, step=step, ts=ts, layer="data", metrics={
+            "timing_s/gen": n(gen), "actor/kl_loss": n(kl), "response/aborted_ratio": n(empty),
+            "response_length/mean": n(length), "actor/entropy": n(0.5, 0.01)}),
+        MetricEvent(run_id=run_id, step=step, ts=ts, layer="compute", metrics={
+            "timing_s/old_log_prob": n(fwd), "timing_s/ref": n(fwd), "actor/pg_loss": loss,
+            "actor/grad_norm": n(1.0, 0.1), "timing_s/update_weights": n(0.2)}),
+        MetricEvent(run_id=run_id, step=step, ts=ts, layer="resource", metrics={
+            "gpu/utilization_pct": n(util, 0.02), "gpu/memory_used_gb": n(40.0, 0.005),
+            "gpu/memory_total_gb": 80.0}),
+    ]
+
+
+def _run(events: list[MetricEvent | RunEvent], config: EngineConfig | None = None) -> list:
+    engine = Engine(config)
+    state = engine.new_state(events[0].run_id)
+    out = []
+    for ev in events:
+        out += engine.process(state, ev)
+    out += engine.flush(state)
+    return out
+
+
+def _healthy(steps: int, seed: int = 0, run_id: str = "r") -> list[MetricEvent | RunEvent]:
+    rng = random.Random(seed)
+    out: list[MetricEvent | RunEvent] = []
+    for s in range(steps):
+        out += _step_events(run_id, s, 1000.0 + 20 * s, rng=rng)
+    return out
+
+
+def test_healthy_run_raises_no_alert() -> None:
+    """200 noisy but healthy steps: nothing fires."""
+    assert _run(_healthy(200)) == []
+
+
+def test_layer_order_does_not_change_the_result() -> None:
+    """Shuffling the three layers within and across neighbouring steps gives the same alerts
+    (the join waits for every part, whatever the topic interleaving)."""
+    rng = random.Random(1)
+    events: list[MetricEvent | RunEvent] = []
+    for s in range(120):
+        stall = s >= 100
+        events += _step_events("r", s, 1000.0 + 20 * s, gen=15.0 if stall else 3.0,
+                               util=15.0 if stall else 85.0, rng=rng)
+    expected = [(a.step, a.diagnosis, a.status) for a in _run(events) if isinstance(a, AlertEvent)]
+    assert expected, "the stall must be detected"
+    shuffled = list(events)
+    rng2 = random.Random(7)
+    for i in range(0, len(shuffled) - 1, 3):  # swap layers inside each step
+        block = shuffled[i:i + 3]
+        rng2.shuffle(block)
+        shuffled[i:i + 3] = block
+    got = [(a.step, a.diagnosis, a.status) for a in _run(shuffled) if isinstance(a, AlertEvent)]
+    assert got == expected
+
+
+def test_dataloader_stall_is_diagnosed_with_evidence_and_goes_critical() -> None:
+    """Latency up + GPU util down + forward flat → dataloader_stall, critical above 5 s."""
+    rng = random.Random(2)
+    events: list[MetricEvent | RunEvent] = []
+    for s in range(110):
+        stall = s >= 100
+        events += _step_events("r", s, 1000.0 + 20 * s, gen=14.0 if stall else 3.0,
+                               util=18.0 if stall else 85.0, rng=rng)
+    alerts = [a for a in _run(events) if isinstance(a, AlertEvent)]
+    first = alerts[0]
+    assert first.diagnosis == "dataloader_stall" and first.step == 100
+    assert first.severity == "critical" and first.status == "firing"
+    assert first.evidence["timing_s/gen"]["value"] > 5 > first.evidence["timing_s/gen"]["baseline"]
+    assert first.evidence["gpu/utilization_pct"]["value"] < 30
+    assert any("iostat" in c for c in first.checks) and first.actions
+
+
+def test_latency_up_with_forward_time_up_is_not_a_dataloader_stall() -> None:
+    """If the model's forward time rises too, it is not the input pipeline."""
+    rng = random.Random(3)
+    events: list[MetricEvent | RunEvent] = []
+    for s in range(110):
+        slow = s >= 100
+        events += _step_events("r", s, 1000.0 + 20 * s, gen=14.0 if slow else 3.0,
+                               util=18.0 if slow else 85.0, fwd=8.0 if slow else 2.0, rng=rng)
+    labels = {a.diagnosis for a in _run(events) if isinstance(a, AlertEvent)}
+    assert "dataloader_stall" not in labels and labels
+
+
+def test_nan_loss_trips_the_breaker_after_three_steps_with_rollback_to_healthy_checkpoint() -> None:
+    """NaN loss for 3 steps → nan_loss alert, then one rollback command to the last healthy checkpoint."""
+    rng = random.Random(4)
+    events: list[MetricEvent | RunEvent] = [RunEvent(run_id="r", type="run_started", ts=999.0,
+                                                     fields={"config": {}})]
+    for s in range(60):
+        events += _step_events("r", s, 1000.0 + 20 * s, loss=math.nan if s >= 50 else 0.1, rng=rng)
+        if s in (20, 40, 51):
+            events.append(RunEvent(run_id="r", type="checkpoint_saved", ts=1000.0 + 20 * s + 1,
+                                   step=s, fields={"path": f"/ckpt/global_step_{s}"}))
+    out = _run(events)
+    alerts = [a for a in out if isinstance(a, AlertEvent)]
+    commands = [c for c in out if isinstance(c, ControlCommand)]
+    assert alerts[0].diagnosis == "nan_loss" and alerts[0].step == 50
+    assert alerts[0].severity == "critical"
+    assert len(commands) == 1
+    cmd = commands[0]
+    assert cmd.action == "rollback" and cmd.to_step == 40  # 51 was saved during the streak
+    assert alerts[0].id in cmd.alert_ids and "nan_loss" in cmd.reason
+
+
+def test_breaker_threshold_is_configurable_and_fires_once_per_streak() -> None:
+    """N=5: no command after 4 critical steps; exactly one after 5+."""
+    rng = random.Random(5)
+    events: list[MetricEvent | RunEvent] = []
+    for s in range(70):
+        events += _step_events("r", s, 1000.0 + 20 * s, loss=math.nan if s >= 50 else 0.1, rng=rng)
+    out = _run(events, EngineConfig(breaker_threshold=5))
+    commands = [c for c in out if isinstance(c, ControlCommand)]
+    assert len(commands) == 1 and commands[0].action == "stop"  # no checkpoint: stop
+    assert "no healthy checkpoint" in commands[0].reason
+
+
+def test_alert_resolves_after_the_hold_and_ids_are_deterministic() -> None:
+    """A fault that ends resolves after 3 clear steps; running twice gives identical ids."""
+    rng = random.Random(6)
+    events: list[MetricEvent | RunEvent] = []
+    for s in range(130):
+        stall = 100 <= s < 105
+        events += _step_events("r", s, 1000.0 + 20 * s, gen=14.0 if stall else 3.0,
+                               util=18.0 if stall else 85.0, rng=rng)
+    out1 = [a for a in _run(events) if isinstance(a, AlertEvent)]
+    out2 = [a for a in _run(events) if isinstance(a, AlertEvent)]
+    assert [a.id for a in out1] == [a.id for a in out2]
+    statuses = [(a.diagnosis, a.status) for a in out1]
+    assert ("dataloader_stall", "firing") in statuses and ("dataloader_stall", "resolved") in statuses
+    resolved = next(a for a in out1 if a.status == "resolved")
+    assert resolved.step == 107
+
+
+@pytest.mark.parametrize("heartbeats, words", [(True, "alive but stuck"), (False, "silent")])
+def test_hang_fires_within_two_minutes_and_tells_stuck_from_dead(heartbeats: bool, words: str) -> None:
+    """Steps every 20 s, then none: training_hang at most 120 s after the last step."""
+    engine = Engine()
+    state = engine.new_state("r")
+    for ev in _healthy(30):
+        engine.process(state, ev)
+    last_ts = 1000.0 + 20 * 29
+    fired = []
+    for t in range(1, 200):
+        now = last_ts + t
+        if heartbeats and t % 10 == 0:
+            fired += engine.process(state, RunEvent(run_id="r", type="heartbeat", ts=now, step=29,
+                                                    fields={"host": "node-0", "rank": 0}))
+        fired += engine.tick(state, now)
+        if fired:
+            break
+    assert fired and fired[0].diagnosis == "training_hang"
+    assert fired[0].ts - last_ts <= 120
+    assert words in fired[0].summary
+
+
+def test_one_long_validation_step_is_not_a_hang() -> None:
+    """A single 80 s step (validation) after 20 s steps does not fire."""
+    engine = Engine()
+    state = engine.new_state("r")
+    out = []
+    ts = 1000.0
+    rng = random.Random(8)
+    for s in range(40):
+        gap = 80.0 if s == 30 else 20.0
+        for t in range(5, int(gap), 5):  # the service's timer runs every few seconds
+            out += engine.tick(state, ts + t)
+        ts += gap
+        for ev in _step_events("r", s, ts, rng=rng):
+            out += engine.process(state, ev)
+    assert [a for a in out if isinstance(a, AlertEvent)] == []
+    assert engine.tick(state, ts + 200)  # whereas a real silence is caught

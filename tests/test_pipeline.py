@@ -1,0 +1,70 @@
+"""The stream app's pure pipeline: dead letters with reasons, signed commands."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from detectors.engine import Engine
+from stream_app.pipeline import Pipeline, dump_state, load_state
+from trainsentry.config import Secret, Topics
+from trainsentry.errors import EventError
+from trainsentry.events import ControlCommand
+from trainsentry.signing import verify_command
+
+TOPICS = Topics("trainsentry.")
+
+
+def _pipeline(secret: str = "k") -> Pipeline:
+    return Pipeline(engine=Engine(), topics=TOPICS, control_secret=Secret(secret))
+
+
+GOOD = {"v": 1, "run_id": "r", "step": 1, "ts": 1.0, "layer": "data", "metrics": {"x": 1.0}}
+
+
+@pytest.mark.parametrize("value, reason", [
+    (b"\xff\xfe not utf8", "UTF-8 JSON"),
+    (b'{"v": 1}', "missing required field"),
+    (json.dumps({**GOOD, "step": "one"}).encode(), "step"),
+    (json.dumps({**GOOD, "metrics": {"x": "x" * 1_000_000}}).encode(), "limit"),
+    (json.dumps({**GOOD, "layer": "compute"}).encode(), "own topic"),
+])
+def test_malformed_records_raise_with_a_reason(value: bytes, reason: str) -> None:
+    """Each kind of malformed record is refused with a reason that says what is wrong."""
+    with pytest.raises(EventError, match=reason):
+        _pipeline().decode(TOPICS.data, b"r", value)
+
+
+def test_key_must_match_run_id() -> None:
+    """A record keyed by another run would land in the wrong partition: refused."""
+    with pytest.raises(EventError, match="key"):
+        _pipeline().decode(TOPICS.data, b"other", json.dumps(GOOD).encode())
+
+
+def test_deadletter_record_keeps_key_value_and_reason_headers() -> None:
+    """The dead letter carries the original key and value, and the reason in headers."""
+    rec = _pipeline().deadletter(TOPICS.data, 2, 17, b"r", b"{bad", "not JSON")
+    headers = dict(rec.headers)
+    assert rec.topic == TOPICS.deadletter and rec.key == b"r" and rec.value == b"{bad"
+    assert headers["reason"] == b"not JSON" and headers["original_offset"] == b"17"
+
+
+def test_commands_are_signed_and_state_round_trips() -> None:
+    """Commands leave the pipeline signed with the control secret; RunState pickles."""
+    p = _pipeline("sekrit")
+    cmd = ControlCommand(id="c", run_id="r", action="stop", reason="x", issued_at=100.0)
+    outcome = p.encode("r", [cmd])
+    (rec,) = outcome.records
+    assert rec.topic == TOPICS.control and rec.key == b"r"
+    verify_command(json.loads(rec.value), "sekrit", run_id="r", now=100.0)
+    state = p.engine.new_state("r")
+    p.handle(state, p.decode(TOPICS.data, b"r", json.dumps(GOOD).encode()))
+    assert load_state(dump_state(state)).pending.keys() == state.pending.keys()
+
+
+def test_no_secret_means_no_command_is_published() -> None:
+    """Without a control secret the command is withheld (and logged), never sent unsigned."""
+    p = Pipeline(engine=Engine(), topics=TOPICS, control_secret=Secret(""))
+    cmd = ControlCommand(id="c", run_id="r", action="stop", reason="x", issued_at=1.0)
+    assert p.encode("r", [cmd]).records == []

@@ -1,0 +1,176 @@
+"""Chat message templates: content, languages, digests and byte-exact truncation."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from notifiers.templates import (
+    LABEL_NAMES,
+    WECOM_MARKDOWN_MAX_BYTES,
+    label_name,
+    more_line,
+    render_markdown,
+    render_text,
+    render_title,
+    render_wecom_markdown,
+    truncate_utf8,
+)
+from tests.chat_servers import make_alert
+from trainsentry.errors import ConfigError
+
+VOCABULARY = ["dataloader_stall", "kl_drift", "numeric_underflow", "comm_degradation",
+              "memory_leak", "nan_loss", "training_hang", "straggler", "gradient_instability",
+              "lr_drift", "entropy_collapse", "stalled_learning", "unknown"]
+
+
+def test_every_contract_label_has_zh_and_en_names() -> None:
+    """Each diagnosis label of the contract has a Chinese and an English name."""
+    assert set(LABEL_NAMES) == set(VOCABULARY)
+    for label in VOCABULARY:
+        zh, en = label_name(label, "zh"), label_name(label, "en")
+        assert zh and en and zh != en
+        assert any("\u4e00" <= ch <= "\u9fff" for ch in zh)
+
+
+@pytest.mark.parametrize("language", ["zh", "en"])
+@pytest.mark.parametrize("label", VOCABULARY)
+def test_message_names_run_id_and_label_in_both_languages(language: str, label: str) -> None:
+    """Every rendering names the run_id verbatim and the label (contract)."""
+    alert = make_alert(diagnosis=label, run_id="grpo-qwen7b/exp3_β")
+    for text in (render_markdown(alert, language=language).text,
+                 render_text(alert, language=language).text,
+                 render_wecom_markdown(alert, language=language),
+                 render_title(alert, language=language)):
+        assert "grpo-qwen7b/exp3_β" in text
+        assert label in text
+    assert label_name(label, language) in render_markdown(alert, language=language).text
+
+
+def test_zh_single_alert_has_evidence_checks_actions_and_secondary() -> None:
+    """A single zh alert shows severity, step, evidence with baseline and bound, checks, actions."""
+    text = render_markdown(make_alert(), language="zh").text
+    for part in ("严重", "数据加载阻塞", "431", "`timing_s/gen`: 12.3（基线 3.1，界限 6）",
+                 "快速检查", "iostat -x 1", "建议操作", "1. check the dataset mount",
+                 "其他可能原因", "`straggler` 慢节点", "0.82"):
+        assert part in text, part
+
+
+def test_en_single_alert_reads_in_english() -> None:
+    """language='en' switches every fixed word to English."""
+    text = render_markdown(make_alert(), language="en").text
+    for part in ("CRITICAL", "Data loader stall", "Step", "baseline 3.1, bound 6", "Quick checks",
+                 "What to do", "Other possible causes"):
+        assert part in text, part
+    assert "基线" not in text and "严重" not in text
+
+
+def test_resolved_alert_says_resolved() -> None:
+    """A resolved alert carries a resolved line instead of a severity."""
+    alert = make_alert(status="resolved", step=500)
+    assert "已于第 500 步恢复" in render_markdown(alert, language="zh").text
+    en = render_markdown(alert, language="en")
+    assert "Resolved at step 500" in en.text and "RESOLVED" in en.title
+
+
+def test_nonfinite_and_missing_evidence_values_render() -> None:
+    """NaN/inf values (float or contract string) and missing baselines do not break rendering."""
+    alert = make_alert(diagnosis="nan_loss", evidence={
+        "actor/grad_norm": {"value": float("nan"), "baseline": 1.2},
+        "actor/pg_loss": {"value": "inf"}, "odd": 3})
+    text = render_text(alert, language="en").text
+    assert "actor/grad_norm: NaN (baseline 1.2)" in text
+    assert "actor/pg_loss: inf" in text
+
+
+def test_digest_lists_every_run_and_folds_repeats() -> None:
+    """A digest names every run_id and label once per problem and folds repeated fingerprints."""
+    alerts = [make_alert(id=f"x{i}", step=400 + i) for i in range(5)]
+    alerts.append(make_alert(id="y", run_id="ppo-llama/exp9", fingerprint="fp-nan",
+                             diagnosis="nan_loss", severity="critical"))
+    alerts.append(make_alert(id="z", run_id="grpo-7b/exp1", fingerprint="fp-kl",
+                             diagnosis="kl_drift", severity="warning"))
+    for language in ("zh", "en"):
+        r = render_markdown(alerts, language=language)
+        for run_id in ("grpo-qwen7b/exp3", "ppo-llama/exp9", "grpo-7b/exp1"):
+            assert run_id in r.text
+        for label in ("dataloader_stall", "nan_loss", "kl_drift"):
+            assert label in r.text
+        assert "×5" in r.text
+        assert "7" in r.title
+    assert r.text.index("grpo-7b/exp1") < r.text.index("Most severe")
+
+
+def test_digest_details_a_problem_still_firing() -> None:
+    """The detail section of a digest skips a problem whose latest alert is resolved."""
+    alerts = [make_alert(id="a", step=1), make_alert(id="b", step=2, status="resolved"),
+              make_alert(id="c", run_id="r2", fingerprint="f2", diagnosis="memory_leak",
+                         severity="warning")]
+    text = render_text(alerts, language="en").text
+    detail = text.split("Most severe")[1]
+    assert "memory_leak" in detail.splitlines()[1]
+
+
+def test_plain_text_has_no_markdown_marks() -> None:
+    """The text renderer is plain: no bold stars, no code backticks, no headings."""
+    text = render_text(make_alert(), language="zh").text
+    assert "**" not in text and "`" not in text and "###" not in text
+
+
+def test_run_id_with_backticks_stays_verbatim_in_markdown() -> None:
+    """A run_id holding backticks is fenced so it is still shown verbatim."""
+    text = render_markdown(make_alert(run_id="weird`run``id"), language="en").text
+    assert "weird`run``id" in text
+
+
+def test_unknown_label_outside_vocabulary_renders_verbatim() -> None:
+    """A label the vocabulary lacks is shown as itself."""
+    assert label_name("brand_new_label", "zh") == "brand_new_label"
+    assert "brand_new_label" in render_text(make_alert(diagnosis="brand_new_label")).text
+
+
+def test_bad_language_is_a_config_error() -> None:
+    """Only zh and en exist; anything else names the setting."""
+    with pytest.raises(ConfigError, match="TRAINSENTRY_LANGUAGE"):
+        render_markdown(make_alert(), language="fr")
+
+
+def test_wecom_markdown_with_chinese_text_fits_4096_bytes() -> None:
+    """A long Chinese alert is cut to ≤ 4096 bytes at a character, with a "more" line and mentions."""
+    alert = make_alert(actions=[f"第{i}步：检查数据集挂载、增加加载进程并使用内存映射数据集🚀" for i in range(200)])
+    content = render_wecom_markdown(alert, language="zh", mentions=["zhangsan"])
+    raw = content.encode("utf-8")
+    assert len(raw) <= WECOM_MARKDOWN_MAX_BYTES
+    raw.decode("utf-8")  # a whole number of characters
+    assert "详见看板" in content
+    assert content.endswith("<@zhangsan>")
+    assert "grpo-qwen7b/exp3" in content and "dataloader_stall" in content
+
+
+def test_truncation_counts_the_missing_lines() -> None:
+    """The "more" line says how many lines were cut."""
+    text = "\n".join(f"line {i}" for i in range(100))
+    out = truncate_utf8(text, 100, language="en")
+    kept = out.split("\n")[:-1]
+    missing = 100 - sum(1 for line in kept if not line.endswith("…"))
+    assert out.endswith(more_line(missing, "en"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(list("ab 中文字\n🚀é`*")), max_size=3000),
+       max_bytes=st.integers(min_value=60, max_value=5000),
+       language=st.sampled_from(["zh", "en"]))
+def test_truncate_utf8_never_exceeds_the_limit(text: str, max_bytes: int, language: str) -> None:
+    """Any text fits after truncation, is unchanged when it already fit, and keeps a prefix."""
+    out = truncate_utf8(text, max_bytes, language=language)
+    assert len(out.encode("utf-8")) <= max_bytes
+    if len(text.encode("utf-8")) <= max_bytes:
+        assert out == text
+    else:
+        assert out.endswith(more_line(int(out.rsplit("还有 ", 1)[-1].split(" ")[0])
+                                      if language == "zh" else
+                                      int(out.rsplit("…(", 1)[-1].split(" ")[0]), language))
+        body = out.rsplit("\n", 1)[0] if "\n" in out else ""
+        whole = [line for line in body.split("\n") if body and not line.endswith("…")]
+        assert "\n".join(whole) == "\n".join(text.split("\n")[: len(whole)])

@@ -1,0 +1,158 @@
+"""The ``trainsentry`` command line (contract: docs/cli.md).
+
+The entry point is the only place that reads the environment and configures logging;
+each subcommand's handler gets the parsed arguments and returns an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from trainsentry import __version__
+from trainsentry.errors import TrainsentryError
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("trainsentry")
+
+#: Modules that add their own subcommands with ``add_cli(subparsers)``.
+_PLUGGED = (
+    "trainsentry.kafka_local",
+    "trainsentry.topics",
+    "trainsentry.simulate",
+    "trainsentry.supervise",
+    "detectors.score",
+)
+
+
+def _cmd_detect(args: argparse.Namespace) -> int:
+    from detectors.catalog import load_catalog
+    from detectors.engine import EngineConfig
+    from detectors.offline import detect_file
+    from trainsentry.events import AlertEvent, dumps
+
+    catalog = load_catalog(args.config)
+    config = EngineConfig(catalog=catalog, breaker_threshold=args.breaker_threshold)
+    source = sys.stdin if args.file == "-" else args.file
+    outputs = detect_file(source, run_id=args.run_id, config=config)
+    out = sys.stdout.buffer
+    for o in outputs:
+        if isinstance(o, AlertEvent) or args.commands:
+            out.write(dumps(o) + b"\n")
+    out.flush()
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from stream_app.service import run_service
+    from trainsentry.config import load_settings
+
+    settings = load_settings(args.config, web_port=args.web_port, partitions=args.partitions)
+    return run_service(settings, workdir=args.workdir)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from trainsentry.demo import run_demo
+
+    return run_demo(fault=args.fault, steps=args.steps, port=args.port, web_port=args.web_port,
+                    keep=args.keep, language=args.language)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainsentry",
+        description="Watchdog for LLM RL post-training runs: detect, diagnose, alert, stop/rollback.",
+    )
+    parser.add_argument("--version", action="version", version=f"trainsentry {__version__}")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    parser.add_argument("--log-json", action="store_true", help="structured JSON log lines")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("detect", help="run the detection engine over a recorded run",
+                       description="Runs the same detection and diagnosis engine as the stream "
+                       "app over a recorded run (contract MetricEvent/RunEvent lines or verl "
+                       "file-logger lines). Prints AlertEvent JSON lines in step order.")
+    p.add_argument("file", metavar="FILE", help="JSONL file, or - for stdin")
+    p.add_argument("--run-id", help="run id for verl file-logger lines (default: the file name)")
+    p.add_argument("--config", help="YAML/JSON detector config (signals: overrides)")
+    p.add_argument("--breaker-threshold", type=int, default=3,
+                   help="consecutive critical steps before a command (default 3)")
+    p.add_argument("--commands", action="store_true",
+                   help="also print the ControlCommands the service would issue (unsigned)")
+    p.set_defaults(func=_cmd_detect)
+
+    p = sub.add_parser("serve", help="run the stream app as a service",
+                       description="Runs the stream app (detection, diagnosis, notifications, "
+                       "HTTP on TRAINSENTRY_WEB_PORT). Workers join by Kafka consumer group. "
+                       "Configured by environment variables (docs/configuration.md) or --config.")
+    p.add_argument("--config", help="YAML/JSON config file (environment variables win)")
+    p.add_argument("--web-port", type=int, default=None, help="override TRAINSENTRY_WEB_PORT")
+    p.add_argument("--partitions", type=int, default=None, help="partitions for created topics")
+    p.add_argument("--workdir", default=None, help="Faust data dir (default: a temp dir per worker)")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("demo", help="end-to-end demo on local defaults",
+                       description="Starts a local Kafka broker (if none runs), the service, a "
+                       "local chat sink, and a simulated verl run with an injected fault; shows "
+                       "the chat alerts and the signed stop command, then stops everything.")
+    p.add_argument("--fault", default="dataloader_stall", help="fault label to inject")
+    p.add_argument("--steps", type=int, default=80, help="steps to simulate (default 80)")
+    p.add_argument("--port", type=int, default=9092, help="Kafka port (default 9092)")
+    p.add_argument("--web-port", type=int, default=6066, help="service HTTP port (default 6066)")
+    p.add_argument("--language", default="en", choices=("zh", "en"), help="chat language")
+    p.add_argument("--keep", action="store_true", help="leave the broker running afterwards")
+    p.set_defaults(func=_cmd_demo)
+
+    for module in _PLUGGED:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        mod.add_cli(sub)
+    return parser
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        body: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname.lower(),
+                                "logger": record.name, "event": record.getMessage()}
+        if record.exc_info:
+            body["exc"] = self.formatException(record.exc_info)
+        return json.dumps(body, ensure_ascii=False)
+
+
+def _setup_logging(level: str, as_json: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if as_json else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    _setup_logging(args.log_level, args.log_json)
+    try:
+        return int(args.func(args) or 0)
+    except TrainsentryError as exc:
+        print(f"trainsentry: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -259,27 +259,33 @@ class WindowedGaussian:
         self.step = step
 
     def run(self, values: Iterable[float]) -> list[float]:
-        data: list[float] = []
-        buf: list[float] = []
+        # The window lives in a numpy buffer (NAB keeps a list and calls numpy on it: same
+        # numbers, without converting 6400 floats at every step of the fill phase).
+        buf = np.empty(self.window + self.step)
+        filled = 0
+        pending = 0
         mean, std = 0.0, 1.0
         out = []
         for x in values:
             score = 0.0
-            if data:
+            if filled:
                 z = abs(x - mean) / std
                 score = 1.0 - 0.5 * math.erfc(z / math.sqrt(2.0))
             out.append(score)
             update = False
-            if len(data) < self.window:
-                data.append(x)
+            if filled < self.window:
+                buf[filled] = x
+                filled += 1
                 update = True
             else:
-                buf.append(x)
-                if len(buf) == self.step:
-                    data = data[self.step:] + buf
-                    buf = []
+                buf[self.window + pending] = x
+                pending += 1
+                if pending == self.step:
+                    buf[:self.window] = buf[self.step:self.window + self.step].copy()
+                    pending = 0
                     update = True
             if update:
+                data = buf[:filled]
                 mean = float(np.mean(data))
                 std = float(np.std(data)) or 0.000001
         return out

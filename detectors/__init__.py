@@ -8,5 +8,25 @@ from __future__ import annotations
 
 from detectors.adaptive import AdaptiveThreshold
 from detectors.base import Detector
+from detectors.changepoint import CUSUM, PageHinkley
+from detectors.combiner import Combiner
+from detectors.ewma import EWMA
+from detectors.nonfinite import NonFinite
+from detectors.river_models import HalfSpaceTrees
+from detectors.robust import RobustZScore
+from detectors.slope import Slope
+from detectors.variance import VarianceChange
 
-__all__ = ["Detector", "AdaptiveThreshold"]
+__all__ = [
+    "Detector",
+    "AdaptiveThreshold",
+    "CUSUM",
+    "Combiner",
+    "EWMA",
+    "HalfSpaceTrees",
+    "NonFinite",
+    "PageHinkley",
+    "RobustZScore",
+    "Slope",
+    "VarianceChange",
+]

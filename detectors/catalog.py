@@ -80,6 +80,9 @@ DEFAULT_BY_ROLE: dict[str, SignalPolicy] = {
                                watch=False),
     "score": SignalPolicy(direction="down", window=50, k=3.0, warmup=10, nonnegative=False,
                           watch=False),
+    # Judged peer-relative by the straggler rule; its own band only feeds the evidence.
+    "rank_step_time": SignalPolicy(direction="up", window=100, k=3.0, warmup=10,
+                                   min_rel_effect=0.5, watch=False),
 }
 
 

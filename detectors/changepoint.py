@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from detectors._stats import EWStats, SCORE_CAP, finite
+from detectors._stats import SCORE_CAP, EWStats, finite
 from detectors.base import Detector
 
 __all__ = ["CUSUM", "PageHinkley"]
@@ -106,9 +106,11 @@ class PageHinkley(Detector):
 
     def _statistic(self, x: float) -> float:
         up, min_up, down, max_down = self._stats(x)
-        rise, fall = up - min_up, max_down - down
-        stat = {"up": rise, "down": fall, "both": max(rise, fall)}[self.direction]
-        return stat
+        if self.direction == "up":
+            return up - min_up
+        if self.direction == "down":
+            return max_down - down
+        return max(up - min_up, max_down - down)
 
     def score_one(self, x: float) -> float:
         if not finite(x) or self._ref.n < self.min_samples:

@@ -30,7 +30,9 @@ class Combiner(Detector):
     an alarm per value while the event lasts, and an alarm again only if it escalates.
 
     Nothing is scored until ``warmup`` values have been learned (the records need a
-    history). ``score_one`` is pure: ``learn_one`` re-scores the value before folding it
+    history), and a sub-detector contributes only once it has a record (> 0): after a
+    constant stretch, the first change only sets the scale. The sub-detectors' own raw
+    scores (``k``-std units) remain the tool for absolute checks. ``score_one`` is pure: ``learn_one`` re-scores the value before folding it
     into the sub-detectors.
 
     >>> from detectors.ewma import EWMA
@@ -72,10 +74,11 @@ class Combiner(Detector):
             return 0.0
         best = 0.0
         for i, (raw, record) in enumerate(zip(raws, self._records, strict=True)):
-            if raw > 0.0:
-                # Any surprise after a history of none (a constant signal) is the news.
-                ratio = raw / record if record > 0.0 else math.inf
-                best = max(best, ratio * (self.weights[i] if self.weights else 1.0))
+            # A sub-detector without a record yet (still warming up, or a signal that has
+            # been constant) has no scale: its first positive score sets the record
+            # instead of alarming (tried the other way on NAB: more false alarms).
+            if raw > 0.0 and record > 0.0:
+                best = max(best, raw / record * (self.weights[i] if self.weights else 1.0))
         return best / (1.0 + best) if math.isfinite(best) else 1.0
 
     def _recent_max(self) -> float:

@@ -61,6 +61,7 @@ class EngineConfig:
     watermark_lag_steps: int = 2  #: evaluate a step once every live part is this far ahead
     stale_part_steps: int = 8  #: a part this far behind the newest step no longer holds the join
     max_signals: int = 400  #: bound on monitored keys per run
+    chart_points: int = 60  #: recent values per signal kept for alert charts
     hang_factor: float = 5.0  #: hang when no step for factor x p95 step interval...
     hang_floor_s: float = 60.0  #: ...but never sooner than this
     hang_min_steps: int = 5
@@ -104,6 +105,7 @@ class RunState:
         self.max_step = -1
         self.monitors: dict[str, SignalMonitor] = {}
         self.history: dict[str, deque[float]] = {}
+        self.recent: dict[str, deque[tuple[int, float]]] = {}  # key -> (step, value), for charts
         self.streaks: dict[str, int] = {}
         self.alerts: dict[str, _AlertState] = {}
         self.critical_streak = 0
@@ -117,6 +119,7 @@ class RunState:
         self.last_beat_ts: float | None = None
         self.intervals: deque[float] = deque(maxlen=100)
         self.hang_fired = False
+        self.clock_offset = 0.0  # event time minus wall time at the latest arrival
         self.finished = False
         self.late_events = 0
         self.steps_evaluated = 0
@@ -142,15 +145,23 @@ class Engine:
     def new_state(self, run_id: str) -> RunState:
         return RunState(run_id)
 
-    def process(self, state: RunState, event: MetricEvent | RunEvent) -> list[Output]:
-        """Feed one event of ``state``'s run; returns alerts and commands to publish."""
+    def process(self, state: RunState, event: MetricEvent | RunEvent, *,
+                arrival: float | None = None) -> list[Output]:
+        """Feed one event of ``state``'s run; returns alerts and commands to publish.
+
+        ``arrival`` is the wall-clock time the event arrived (the stream app passes it):
+        it maps the wall clock of later :meth:`tick` calls onto the run's event time, so
+        a trainer whose clock is off (or a replay) is judged by its own pace.
+        """
+        if arrival is not None and event.ts >= (state.last_seen_ts or -math.inf):
+            state.clock_offset = event.ts - arrival
         if isinstance(event, RunEvent):
             return self._on_run_event(state, event)
         return self._on_metric(state, event)
 
     def tick(self, state: RunState, now: float) -> list[Output]:
         """Periodic check with the wall clock (the stream app's timer): hang detection."""
-        return self._check_hang(state, now, source="timer")
+        return self._check_hang(state, now + state.clock_offset, source="timer")
 
     def flush(self, state: RunState) -> list[Output]:
         """Evaluate every pending step (end of an offline file)."""
@@ -262,6 +273,11 @@ class Engine:
         role_sums: dict[str, float] = {}
         for key, value in values.items():
             info = signal_info(key)
+            recent = state.recent.get(key)
+            if recent is None and len(state.recent) < self.config.max_signals:
+                recent = state.recent[key] = deque(maxlen=self.config.chart_points)
+            if recent is not None:
+                recent.append((step, value))
             if not math.isfinite(value):
                 nonfinite.append(key)
                 continue
@@ -398,7 +414,18 @@ class Engine:
             evidence=d.evidence, actions=list(know.actions), attempt=state.attempt,
             confidence=round(d.confidence, 3), secondary=sorted(set(secondary)),
             checks=list(know.checks), host=d.host, rank=d.rank,
+            series=self._series(state, d.evidence),
         )
+
+    @staticmethod
+    def _series(state: RunState, evidence: dict[str, Any]) -> dict[str, list[list[float]]]:
+        """Recent ``[step, value]`` points of the evidence signals (for the alert's chart)."""
+        out: dict[str, list[list[float]]] = {}
+        for key in list(evidence)[:4]:
+            points = state.recent.get(key)
+            if points:
+                out[key] = [[s, v if math.isfinite(v) else None] for s, v in points]  # type: ignore[list-item]
+        return out
 
     def _resolved(self, state: RunState, st: _AlertState, step: int, ts: float,
                   reason: str) -> AlertEvent:

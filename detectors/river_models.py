@@ -57,13 +57,13 @@ class HalfSpaceTrees(Detector):
             ok = False
         return feats if ok and feats else None
 
-    def score_one(self, x: float | Mapping[str, float]) -> float:  # type: ignore[override]
+    def score_one(self, x: float | Mapping[str, float]) -> float:
         feats = self._features(x)
         if feats is None or self._model is None or self._n < self.window_size:
             return 0.0
         return float(self._model.score_one(feats))
 
-    def learn_one(self, x: float | Mapping[str, float]) -> None:  # type: ignore[override]
+    def learn_one(self, x: float | Mapping[str, float]) -> None:
         feats = self._features(x)
         if feats is None:
             return

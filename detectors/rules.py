@@ -3,8 +3,17 @@
 Each rule reads a :class:`StepContext` (the step's values by key and by role, the
 findings of the signal monitors, short per-role histories and per-rank values) and
 returns a :class:`Diagnosis` or None. Rules are pure functions of the context plus the
-per-run ``streaks`` counters they own (persisted with the run's state). docs/diagnosis.md
-describes each rule.
+per-run state they own: ``streaks`` counters and ``rule:*`` histories in ``history``,
+both persisted (pickled) with the run's state, so a restarted worker resumes mid-streak.
+
+The rules follow DOMAIN.md's operators' table and predictive signs; docs/diagnosis.md
+gives every condition and threshold. Two principles:
+
+- *Absolute checks where a healthy baseline may not exist* (a run dead from step 1,
+  a NaN, an lr off its configured schedule); adaptive ones everywhere else.
+- *The healthy look-alikes stay quiet*: planned lr steps, long validation steps, single
+  zero-gradient GRPO steps, single grad-norm spikes, slowly growing KL, entropy falling
+  while reward rises.
 """
 
 from __future__ import annotations
@@ -12,21 +21,28 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from detectors.monitor import Finding, _round
+from producers.layers import signal_info
 
-__all__ = ["StepContext", "Diagnosis", "RULES", "diagnose", "expected_lr", "SPECIFICITY"]
+__all__ = ["StepContext", "Diagnosis", "RULES", "diagnose", "expected_lr", "parse_milestones",
+           "peer_outlier", "SPECIFICITY", "LR_MILESTONES_KEY"]
 
-#: Higher wins when several diagnoses explain the same signals.
+#: Higher wins when several diagnoses explain the same signals (shared evidence keys).
 SPECIFICITY: dict[str, int] = {
     "nan_loss": 100, "training_hang": 95, "stalled_learning": 90, "numeric_underflow": 85,
-    "dataloader_stall": 80, "straggler": 78, "comm_degradation": 75, "memory_leak": 70,
+    "straggler": 82, "dataloader_stall": 80, "comm_degradation": 75, "memory_leak": 70,
     "entropy_collapse": 65, "kl_drift": 60, "lr_drift": 55, "gradient_instability": 50,
     "unknown": 0,
 }
+
+#: trainsentry's own config extension: planned lr steps, ``"step:factor,..."`` (the
+#: schedule times ``factor`` from ``step`` on). verl has no such key; a trainer (or the
+#: simulator) that changes lr on purpose puts it in ``run_started``'s config.
+LR_MILESTONES_KEY = "actor_rollout_ref.actor.optim.lr_milestones"
 
 
 @dataclass
@@ -41,7 +57,7 @@ class StepContext:
     findings: dict[str, Finding]
     role_findings: dict[str, Finding]
     baselines: dict[str, tuple[float, float, float]]  # role -> (mean, lower, upper)
-    history: Mapping[str, deque[float]]  # role -> recent values (this step last)
+    history: MutableMapping[str, deque[float]]  # role -> recent values (this step last)
     ranks: dict[int, dict[str, float]]
     hosts: dict[int, str]
     config: Mapping[str, Any]
@@ -56,6 +72,14 @@ class StepContext:
         n = self.streaks.get(name, 0) + 1 if holds else 0
         self.streaks[name] = n
         return n
+
+    def series(self, name: str, maxlen: int = 64) -> deque[float]:
+        """A rule-owned history (kept in the run state next to the role histories)."""
+        key = f"rule:{name}"
+        h = self.history.get(key)
+        if h is None:
+            h = self.history[key] = deque(maxlen=maxlen)
+        return h
 
 
 @dataclass
@@ -78,7 +102,7 @@ def _ev(value: float, baseline: float | None, bound: float | None, **extra: Any)
     out: dict[str, Any] = {"value": _round(value)}
     out["baseline"] = None if baseline is None else _round(baseline)
     out["bound"] = None if bound is None else _round(bound)
-    out.update(extra)
+    out.update({k: (_round(v) if isinstance(v, float) else v) for k, v in extra.items()})
     return out
 
 
@@ -89,86 +113,228 @@ def _finding_ev(ctx: StepContext, role: str) -> dict[str, dict[str, Any]]:
     return {}
 
 
-def _role_ev(ctx: StepContext, role: str, key_hint: str) -> dict[str, dict[str, Any]]:
+def _role_ev(ctx: StepContext, role: str, key: str, **extra: Any) -> dict[str, dict[str, Any]]:
+    """Evidence for a role's value against its monitor's band (bound on the value's side)."""
     value = ctx.roles.get(role)
     if value is None:
         return {}
-    base = ctx.baselines.get(role)
     f = ctx.role_findings.get(role)
-    key = f.key if f else key_hint
+    if f is not None:
+        key = f.key
+    base = ctx.baselines.get(role)
     if base is None:
-        return {key: _ev(value, None, None)}
+        return {key: _ev(value, None, None, **extra)}
     mean, lower, upper = base
-    return {key: _ev(value, mean, upper if value >= mean else lower)}
+    return {key: _ev(value, mean, upper if value >= mean else lower, **extra)}
 
 
-# --------------------------------------------------------------------------- rules
-def rule_nan_loss(ctx: StepContext) -> Diagnosis | None:
-    bad = [k for k in ctx.nonfinite if "loss" in k or "grad_norm" in k]
-    if not bad:
-        ctx.bump("nan_loss", False)
+def _ratio(ctx: StepContext, role: str) -> float | None:
+    """The role's value over its baseline mean (None without a warm baseline)."""
+    value, base = ctx.roles.get(role), ctx.baselines.get(role)
+    if value is None or base is None or base[0] <= 0:
         return None
-    n = ctx.bump("nan_loss", True)
-    ev = {k: _ev(ctx.values.get(k, math.nan), None, None, finite_steps_before=None) for k in bad}
-    for k in ev:
-        ev[k].pop("finite_steps_before")
+    return value / base[0]
+
+
+# --------------------------------------------------------------------------- nan_loss
+def rule_nan_loss(ctx: StepContext) -> Diagnosis | None:
+    """Any non-finite loss or gradient norm (DOMAIN critical condition): at once, critical."""
+    bad = [k for k in ctx.nonfinite if "loss" in k or "grad_norm" in k]
+    n = ctx.bump("nan_loss", bool(bad))
+    if not bad:
+        return None
+    ev = {}
+    for k in bad:
+        last = ctx.series(f"finite:{k}", 1)
+        ev[k] = _ev(ctx.values.get(k, math.nan), last[-1] if last else None, None,
+                    bound_kind="finite")
     return Diagnosis("nan_loss", "critical", 1.0,
-                     f"{', '.join(bad)} non-finite at step {ctx.step} ({n} step(s) in a row)",
+                     f"{', '.join(bad)} non-finite at step {ctx.step} ({n} step(s) in a row); "
+                     "verl skips the optimizer step on a NaN gradient, so the run may look alive",
                      ev, critical_reason="non-finite loss or gradient norm")
 
 
+def _remember_finite(ctx: StepContext) -> None:
+    for k, v in ctx.values.items():
+        if ("loss" in k or "grad_norm" in k) and math.isfinite(v):
+            ctx.series(f"finite:{k}", 1).append(v)
+
+
+# --------------------------------------------------------------------------- stalled_learning
+#: Consecutive steps needed, by how many of (uniform reward, responses capped, zero
+#: gradient/advantage) hold: all three are conclusive fast; fewer need more patience.
+STALL_STEPS_ALL = 2
+STALL_STEPS_CAPPED = 3
+STALL_STEPS_UNIFORM_ZERO = 8
+STALL_STEPS_CAPPED_ONLY = 10
+STALL_CRITICAL_STEPS = 20
+
+
 def rule_stalled_learning(ctx: StepContext) -> Diagnosis | None:
-    grad = ctx.role("grad_norm")
-    loss = ctx.values.get("actor/pg_loss")
+    """No learning signal, step after step (absolute checks: a run dead from step 1 has no baseline).
+
+    Healthy look-alike: single GRPO steps where every group is uniform (grad exactly 0)
+    while learning goes on; they break the streak, and a streak of uniform-and-zero
+    without capped responses needs 8 steps.
+    """
+    grad = ctx.values.get("actor/grad_norm")
     smin, smax = ctx.role("score_min"), ctx.role("score_max")
+    amax, amin = ctx.role("adv_max"), ctx.role("adv_min")
     clip = ctx.role("clip_ratio")
-    zero_grad = grad is not None and abs(grad) < 1e-9
-    zero_loss = loss is None or abs(loss) < 1e-9
     uniform = smin is not None and smax is not None and abs(smax - smin) < 1e-9
     capped = clip is not None and clip >= 0.95
-    dead = zero_grad and zero_loss and (uniform or capped)
-    n = ctx.bump("stalled", dead)
-    if n < 5:
+    zero_grad = grad is not None and math.isfinite(grad) and abs(grad) < 1e-8
+    tiny_adv = (amax is not None and amin is not None and max(abs(amax), abs(amin)) < 0.1)
+    zero = zero_grad or tiny_adv
+    count = int(uniform) + int(capped) + int(zero)
+    n = ctx.bump("stalled", count >= 2)
+    n_cap = ctx.bump("stalled_capped", capped)
+    if count == 3:
+        need = STALL_STEPS_ALL
+    elif count == 2:
+        need = STALL_STEPS_CAPPED if capped else STALL_STEPS_UNIFORM_ZERO
+    else:
+        need = STALL_STEPS_CAPPED_ONLY
+    streak = n if count >= 2 else n_cap
+    if streak < need:
         return None
     ev: dict[str, dict[str, Any]] = {}
     if grad is not None:
-        ev["actor/grad_norm"] = _ev(grad, None, 0.0, steps=n)
-    if uniform and smin is not None and smax is not None:
-        ev["critic/score/min..max"] = _ev(smax - smin, None, 0.0, min=_round(smin), max=_round(smax))
-    if capped and clip is not None:
+        base = ctx.baselines.get("grad_norm")
+        ev["actor/grad_norm"] = _ev(grad, base[0] if base else None, 0.0, steps=streak)
+    if smin is not None and smax is not None:
+        ev["critic/score/max-min"] = _ev(smax - smin, None, 0.0, min=smin, max=smax)
+    if clip is not None:
         ev["response_length/clip_ratio"] = _ev(clip, None, 0.95)
-    why = "rewards identical across the batch" if uniform else "responses cut at the length cap"
-    return Diagnosis("stalled_learning", "critical" if n >= 20 else "warning", min(1.0, 0.6 + n / 50),
-                     f"no learning signal for {n} steps: gradient exactly 0, {why}", ev,
-                     critical_reason="no learning signal for 20+ steps" if n >= 20 else None)
+    if amax is not None and amin is not None:
+        ev["critic/advantages/max|min|"] = _ev(max(abs(amax), abs(amin)), None, 0.1)
+    why = []
+    if uniform:
+        why.append(f"every reward = {smax:.3g}")
+    if capped:
+        why.append(f"{clip:.0%} of responses cut at the length cap")
+    if zero_grad:
+        why.append("gradient norm exactly 0")
+    elif tiny_adv:
+        why.append("advantages ~0")
+    critical = streak >= STALL_CRITICAL_STEPS
+    return Diagnosis("stalled_learning", "critical" if critical else "warning",
+                     min(1.0, 0.55 + 0.1 * count + streak / 100),
+                     f"no learning signal for {streak} steps: {', '.join(why)}", ev,
+                     critical_reason=(f"no learning signal for {STALL_CRITICAL_STEPS}+ steps"
+                                      if critical else None))
 
 
+# --------------------------------------------------------------------------- numeric_underflow
 def rule_numeric_underflow(ctx: StepContext) -> Diagnosis | None:
+    """Empty-response ratio anomalous and > 10% while response length collapses (operators' table)."""
     empty = ctx.role("empty_ratio")
     f_empty = ctx.role_findings.get("empty_ratio")
     length_drop = "response_length" in ctx.role_findings
-    holds = empty is not None and f_empty is not None and empty > 0.10 and length_drop
-    if not holds or empty is None:
+    if empty is None or f_empty is None or empty <= 0.10 or not length_drop:
         return None
     ev = {**_finding_ev(ctx, "empty_ratio"), **_finding_ev(ctx, "response_length")}
     critical = empty > 0.15
     return Diagnosis("numeric_underflow", "critical" if critical else "warning", 0.9,
-                     f"empty-response ratio {empty:.0%} while response length collapses", ev,
+                     f"empty-response ratio {empty:.0%} while response length collapses "
+                     "(logits underflow after softmax?)", ev,
                      critical_reason="empty-response ratio anomalous and above 15%" if critical else None)
 
 
+# --------------------------------------------------------------------------- straggler
+#: A rank is a straggler when its own step time is this many times the peers' median...
+STRAGGLER_RATIO = 1.2
+#: ...and this many robust standard deviations of the peers above it.
+STRAGGLER_Z = 6.0
+STRAGGLER_STEPS = 2
+
+
+def peer_outlier(per_rank: Mapping[int, float]) -> tuple[int, float, float, float] | None:
+    """The slowest rank if it is a peer-relative outlier: (rank, value, peers' median, z).
+
+    Compared with the *other* ranks only (leave-one-out median and MAD, scale floored at
+    3% of the median), so it works from 2 ranks and is blind to the whole run slowing.
+    """
+    if len(per_rank) < 2:
+        return None
+    slow_rank, slow = max(per_rank.items(), key=lambda kv: (kv[1], -kv[0]))
+    others = [v for r, v in per_rank.items() if r != slow_rank]
+    med = statistics.median(others)
+    if med <= 0:
+        return None
+    mad = statistics.median(abs(v - med) for v in others)
+    scale = max(1.4826 * mad, 0.03 * med)
+    z = (slow - med) / scale
+    if slow >= STRAGGLER_RATIO * med and z >= STRAGGLER_Z:
+        return slow_rank, slow, med, z
+    return None
+
+
+def _rank_times(ctx: StepContext) -> dict[int, float]:
+    return {r: v["timing_s/rank_step"] for r, v in ctx.ranks.items()
+            if math.isfinite(v.get("timing_s/rank_step", math.nan))}
+
+
+def rule_straggler(ctx: StepContext) -> Diagnosis | None:
+    """One rank's own step time far above its peers' (``timing_s/rank_step``), 2 steps running."""
+    out = peer_outlier(_rank_times(ctx))
+    prev = ctx.streaks.get("straggler_rank", -1)
+    if out is None:
+        ctx.streaks["straggler"] = 0
+        ctx.streaks["straggler_rank"] = -1
+        return None
+    rank, slow, med, z = out
+    n = ctx.streaks.get("straggler", 0) + 1 if prev == rank else 1
+    ctx.streaks["straggler"] = n
+    ctx.streaks["straggler_rank"] = rank
+    if n < STRAGGLER_STEPS:
+        return None
+    host = ctx.hosts.get(rank)
+    where = f"rank {rank}" + (f" on {host}" if host else "")
+    ev = {f"timing_s/rank_step[rank={rank}]": _ev(slow, med, STRAGGLER_RATIO * med, host=host,
+                                                  peer_z=z, ranks=len(ctx.ranks))}
+    peer_util = [v["gpu/utilization_pct"] for r, v in ctx.ranks.items()
+                 if r != rank and "gpu/utilization_pct" in v]
+    own_util = ctx.ranks.get(rank, {}).get("gpu/utilization_pct")
+    extra = ""
+    if peer_util and own_util is not None:
+        pu = statistics.median(peer_util)
+        ev[f"gpu/utilization_pct[rank={rank}]"] = _ev(own_util, pu, None)
+        if own_util > pu + 10:
+            extra = f"; its GPU is busy ({own_util:.0f}%) while the peers wait ({pu:.0f}%)"
+    temp = ctx.ranks.get(rank, {}).get("gpu/temperature_c")
+    if temp is not None and temp >= 85:
+        extra += f"; GPU at {temp:.0f} °C (thermal throttling?)"
+    return Diagnosis("straggler", "warning", min(1.0, 0.7 + 0.05 * n),
+                     f"{where} takes {slow:.3g}s per step, {slow / med:.1f}x the peers' median "
+                     f"{med:.3g}s, for {n} steps{extra}", ev, host=host, rank=rank)
+
+
+# --------------------------------------------------------------------------- dataloader_stall
+#: Forward time above this multiple of its baseline means the model itself is slower.
+FORWARD_UP_RATIO = 1.2
+
+
 def rule_dataloader_stall(ctx: StepContext) -> Diagnosis | None:
+    """Latency up + GPU util down + forward time *not* up: the input pipeline starves the GPUs.
+
+    Not when one rank is a peer-relative outlier (a straggler also idles its peers) and
+    not when forward time rose (then it is the model, not the data).
+    """
     f_lat = ctx.role_findings.get("latency") or ctx.role_findings.get("step_time")
     util = ctx.role("gpu_util")
-    if f_lat is None:
+    if f_lat is None or util is None:
         ctx.bump("stall", False)
         return None
     util_base = ctx.baselines.get("gpu_util")
-    util_low = util is not None and ("gpu_util" in ctx.role_findings or util < 30.0)
-    forward_up = "forward_time" in ctx.role_findings
-    holds = util_low and not forward_up
+    util_low = "gpu_util" in ctx.role_findings or util < 30.0
+    fwd_ratio = _ratio(ctx, "forward_time")
+    forward_up = "forward_time" in ctx.role_findings or (fwd_ratio is not None
+                                                         and fwd_ratio > FORWARD_UP_RATIO)
+    straggling = peer_outlier(_rank_times(ctx)) is not None
+    holds = util_low and not forward_up and not straggling
     n = ctx.bump("stall", holds)
-    if not holds or util is None:
+    if not holds:
         return None
     ev = {f_lat.key: f_lat.evidence()}
     ev["gpu/utilization_pct"] = _ev(util, util_base[0] if util_base else None,
@@ -176,8 +342,8 @@ def rule_dataloader_stall(ctx: StepContext) -> Diagnosis | None:
     fwd = ctx.role("forward_time")
     if fwd is not None:
         fb = ctx.baselines.get("forward_time")
-        ev["forward_time (old_log_prob+ref+values)"] = _ev(fwd, fb[0] if fb else None,
-                                                          fb[2] if fb else None, flat=True)
+        ev["forward_time (old_log_prob+ref+values)"] = _ev(
+            fwd, fb[0] if fb else None, fb[0] * FORWARD_UP_RATIO if fb else None, flat=True)
     io = ctx.role("io_wait")
     if io is not None:
         ib = ctx.baselines.get("io_wait")
@@ -188,21 +354,40 @@ def rule_dataloader_stall(ctx: StepContext) -> Diagnosis | None:
     return Diagnosis(
         "dataloader_stall", "critical" if critical else "warning", min(1.0, 0.7 + 0.1 * n),
         f"GPUs idle at {util:.0f}%, {f_lat.key} {ratio:.1f}x its baseline, forward time flat: "
-        "the input pipeline starves the GPUs", ev,
+        "the input pipeline or disk I/O starves the GPUs", ev,
         critical_reason="rollout latency anomalous and above 5 s" if critical else None)
 
 
+# --------------------------------------------------------------------------- comm_degradation
 def rule_comm_degradation(ctx: StepContext) -> Diagnosis | None:
+    """Weight-sync / all-reduce time anomalous, above 0.5 s and >= 1.5x its baseline.
+
+    Two steps running (a single sync hiccup is not a degradation) unless 3x or more.
+    """
     f = ctx.role_findings.get("comm_time")
     comm = ctx.role("comm_time")
-    holds = f is not None and comm is not None and comm > 0.5
+    ratio = f.value / f.baseline if f is not None and f.baseline > 0 else math.inf
+    holds = f is not None and comm is not None and comm > 0.5 and ratio >= 1.5
     n = ctx.bump("comm", holds)
-    if not holds or f is None:
+    if f is None or not holds or (n < 2 and ratio < 3.0):
         return None
-    ratio = f.value / f.baseline if f.baseline > 0 else math.inf
+    share = ""
+    step = ctx.role("step_time")
+    if step and step > 0 and comm is not None:
+        share = f" ({comm / step:.0%} of the step)"
     return Diagnosis("comm_degradation", "warning", min(1.0, 0.6 + 0.1 * n),
-                     f"{f.key} {f.value:.3g}s, {ratio:.1f}x its baseline (> 0.5 s): NCCL / network",
-                     {f.key: f.evidence()})
+                     f"{f.key} {f.value:.3g}s, {ratio:.1f}x its baseline {f.baseline:.3g}s{share}: "
+                     "NCCL / network", {f.key: f.evidence()})
+
+
+# --------------------------------------------------------------------------- memory_leak
+#: Windows (steps) over which a monotone climb is tested, shortest first.
+LEAK_WINDOWS = (6, 10, 16, 24)
+LEAK_T = 8.0  #: slope t-statistic
+LEAK_UP_SHARE = 0.8  #: share of step-to-step differences that must be increases
+LEAK_MIN_RISE_FRAC = 0.004  #: the climb over the window, as a share of capacity...
+LEAK_NOISE_MULT = 6.0  #: ...and in units of the gauge's step-to-step noise
+LEAK_MIN_BEFORE = 9  #: values before the window, to estimate that noise
 
 
 def _capacity(ctx: StepContext) -> float:
@@ -210,90 +395,254 @@ def _capacity(ctx: StepContext) -> float:
     return total if total and total > 0 else 80.0
 
 
+def _climb(ys: list[float], cap: float) -> tuple[int, float, float] | None:
+    """(window, slope per step, t) of the shortest window with a significant monotone climb.
+
+    The climb must also beat the series' own step-to-step noise, estimated robustly from
+    the values before the window: a flat but noisy gauge can drift up for a few steps.
+    """
+    for w in LEAK_WINDOWS:
+        if len(ys) < w + LEAK_MIN_BEFORE:
+            break
+        y = ys[-w:]
+        xm = (w - 1) / 2
+        sxx = sum((i - xm) ** 2 for i in range(w))
+        ym = sum(y) / w
+        b = sum((i - xm) * (v - ym) for i, v in enumerate(y)) / sxx
+        if b <= 0:
+            continue
+        resid = [v - (ym + b * (i - xm)) for i, v in enumerate(y)]
+        s2 = sum(r * r for r in resid) / (w - 2)
+        t = b / math.sqrt(s2 / sxx) if s2 > 0 else math.inf
+        ups = sum(1 for a, c in zip(y, y[1:], strict=False) if c > a)
+        before = ys[:-w]
+        diffs = [abs(c - a) for a, c in zip(before, before[1:], strict=False)]
+        noise = 1.4826 * statistics.median(diffs) / math.sqrt(2)
+        rise = b * (w - 1)
+        if (t >= LEAK_T and ups >= LEAK_UP_SHARE * (w - 1)
+                and rise >= max(LEAK_MIN_RISE_FRAC * cap, LEAK_NOISE_MULT * noise)):
+            return w, b, t
+    return None
+
+
 def rule_memory_leak(ctx: StepContext) -> Diagnosis | None:
-    hist = ctx.history.get("gpu_mem") or ctx.history.get("actor_mem")
-    key = "gpu/memory_used_gb" if ctx.history.get("gpu_mem") else "actor/perf/max_memory_allocated_gb"
-    if not hist or len(hist) < 8:
-        return None
-    recent = list(hist)[-8:]
+    """GPU memory climbing step after step: a significant, monotone linear climb, with the
+    projected steps to capacity (warns long before the 95% line)."""
     cap = _capacity(ctx)
-    rises = sum(1 for a, b in zip(recent, recent[1:], strict=False) if b > a)
-    rise = recent[-1] - recent[0]
-    climbing = rises >= 6 and rise > 0.03 * cap
-    n = ctx.bump("leak", climbing)
-    if not climbing:
+    climbs: dict[str, tuple[int, float, float]] = {}
+    series: dict[str, list[float]] = {}
+    for role in ("gpu_mem", "actor_mem"):
+        value = ctx.role(role)
+        if value is None:
+            continue
+        hist = ctx.series(f"mem:{role}", 48)
+        hist.append(value)
+        series[role] = list(hist)
+        found = _climb(series[role], cap)
+        if found is not None:
+            climbs[role] = found
+    n = ctx.bump("leak", bool(climbs))
+    if not climbs:
         return None
-    used = recent[-1]
-    per_step = rise / (len(recent) - 1)
-    steps_left = (cap - used) / per_step if per_step > 0 else math.inf
-    critical = used > 0.95 * cap
-    ev = {key: _ev(used, recent[0], cap, per_step_gb=_round(per_step),
-                   steps_to_capacity=_round(steps_left))}
-    return Diagnosis("memory_leak", "critical" if critical else "warning", min(1.0, 0.6 + 0.05 * n),
-                     f"GPU memory up {rise:.1f} GB in 8 steps ({used:.1f}/{cap:.0f} GB), "
+    keys = {"gpu_mem": "gpu/memory_used_gb", "actor_mem": "actor/perf/max_memory_allocated_gb"}
+    ev: dict[str, dict[str, Any]] = {}
+    for role, (w, b, t) in climbs.items():
+        ys = series[role]
+        ev[keys[role]] = _ev(ys[-1], ys[-w], cap, per_step_gb=b, window_steps=w,
+                             slope_t=min(t, 1e6))
+    # Capacity is judged on what the device holds (the sampler's view) when there is one.
+    role = "gpu_mem" if "gpu_mem" in series else "actor_mem"
+    used = series[role][-1]
+    w, slope, _t = climbs.get(role) or next(iter(climbs.values()))
+    steps_left = max(0.0, (cap - used) / slope)
+    ev.setdefault(keys[role], _ev(used, None, cap))
+    ev[keys[role]]["steps_to_capacity"] = _round(steps_left)
+    critical = used >= 0.95 * cap or steps_left <= 10
+    return Diagnosis("memory_leak", "critical" if critical else "warning",
+                     min(1.0, 0.7 + 0.03 * n),
+                     f"GPU memory climbing {slope:.3g} GB/step for {w}+ steps ({used:.1f}/{cap:.0f} GB): "
                      f"~{steps_left:.0f} steps to capacity", ev,
-                     critical_reason="GPU memory above 95% of capacity" if critical else None)
+                     critical_reason=("GPU memory above 95% of capacity or out of memory within 10 steps"
+                                      if critical else None))
+
+
+# --------------------------------------------------------------------------- entropy_collapse
+ENTROPY_RATIO = 0.5  #: entropy below this share of its recent median...
+ENTROPY_RATIO_PREV = 0.6  #: ...and the step before below this one
+ENTROPY_CRITICAL_RATIO = 0.35
 
 
 def rule_entropy_collapse(ctx: StepContext) -> Diagnosis | None:
-    hist = ctx.history.get("entropy")
-    if not hist or len(hist) < 4:
+    """Entropy falls to under half its recent median within a few steps, two steps running.
+
+    The baseline is the median of the 3rd..14th latest values, so a collapse does not
+    hide in its own baseline and single noisy dips do not fire. A steady fall over the
+    run (normal while reward and validation rise) is far slower than this.
+    """
+    ent = ctx.role("entropy")
+    hist = ctx.series("entropy", 16)
+    ratios = ctx.series("entropy_ratio", 2)
+    score = ctx.series("score_for_entropy", 8)
+    s = ctx.role("score")
+    if s is not None:
+        score.append(s)
+    if ent is None:
         return None
+    hist.append(ent)
     values = list(hist)
-    current = values[-1]
-    peak = max(values[-12:])
-    holds = peak > 0 and current < 0.35 * peak and (peak - current) > 0.05
-    n = ctx.bump("entropy", holds)
-    if not holds or n < 2:
+    if len(values) < 5:
+        ratios.append(1.0)
         return None
-    ev = {"actor/entropy": _ev(current, peak, 0.35 * peak)}
-    reward_hist = ctx.history.get("score")
-    extra = ""
-    if reward_hist and len(reward_hist) >= 4 and reward_hist[-1] > reward_hist[-4]:
-        extra = ", reward still rising (possible reward hacking)"
-    return Diagnosis("entropy_collapse", "critical", min(1.0, 0.7 + 0.1 * n),
-                     f"policy entropy fell to {current:.3g}, {current / peak:.0%} of its recent "
-                     f"{peak:.3g}{extra}", ev, critical_reason="entropy collapsed")
+    base = statistics.median(values[-14:-3])
+    ratio = ent / base if base > 0 else 1.0
+    prev = ratios[-1] if ratios else 1.0
+    ratios.append(ratio)
+    holds = ratio < ENTROPY_RATIO and prev < ENTROPY_RATIO_PREV and base - ent > 0.01
+    n = ctx.bump("entropy", holds)
+    if not holds:
+        return None
+    ev = {"actor/entropy": _ev(ent, base, ENTROPY_RATIO * base, ratio=ratio)}
+    extra = []
+    if len(score) >= 4 and score[-1] > score[0]:
+        extra.append("reward still rising (possible reward hacking)")
+    kl_hist = ctx.history.get("kl")
+    if kl_hist and len(kl_hist) >= 4 and kl_hist[-1] - kl_hist[-2] > kl_hist[-3] - kl_hist[-4] > 0:
+        extra.append("KL accelerating")
+        f = ctx.role_findings.get("kl")
+        if f is not None:
+            ev[f.key] = f.evidence()
+    critical = ratio < ENTROPY_CRITICAL_RATIO
+    return Diagnosis("entropy_collapse", "critical" if critical else "warning",
+                     min(1.0, 0.7 + 0.1 * len(extra) + 0.05 * n),
+                     f"policy entropy fell to {ent:.3g}, {ratio:.0%} of its recent median {base:.3g}"
+                     + (f"; {', '.join(extra)}" if extra else ""), ev,
+                     critical_reason="entropy collapsed below 35% of its recent level" if critical else None)
+
+
+# --------------------------------------------------------------------------- kl_drift
+KL_ABS = 0.3  #: DOMAIN predictive sign: KL above 0.3
+KL_CRITICAL = 0.8  #: DOMAIN critical condition: KL anomalous and above 0.8
+KL_RATE = 0.02  #: KL gained per step over the last 3, all rising...
+KL_RATE_MIN = 0.1  #: ...once KL is at least this
 
 
 def rule_kl_drift(ctx: StepContext) -> Diagnosis | None:
+    """KL anomalous against its band and rising one-sidedly: above 0.3, or gaining more than
+    0.02 per step for 3 steps running (above 0.1). Slow healthy growth (a few 1e-3 per
+    step, saturating) never reaches either."""
     f = ctx.role_findings.get("kl")
     kl = ctx.role("kl")
     hist = ctx.history.get("kl")
-    rising = bool(hist) and len(hist) >= 4 and hist[-1] > hist[-4]
-    # DOMAIN.md: KL rising one-sidedly past its healthy range; below 0.3 slow growth is normal.
-    holds = f is not None and kl is not None and rising and kl > 0.3
-    n = ctx.bump("kl", holds)
-    if not holds or f is None or kl is None or n < 2:
+    if kl is None or not hist or len(hist) < 4:
+        ctx.bump("kl", False)
         return None
-    critical = kl > 0.8
+    h = list(hist)
+    diffs = [b - a for a, b in zip(h[-4:], h[-3:], strict=False)]
+    rate = (h[-1] - h[-4]) / 3
+    rising = h[-1] > h[-4]
+    fast = all(d > 0 for d in diffs) and rate >= KL_RATE and kl >= KL_RATE_MIN
+    # Once established, the drift holds while KL stays high and rising even after the
+    # band has adapted to it (the monitor learns a level shift after window/4 steps).
+    established = ctx.streaks.get("kl", 0) >= 2
+    holds = (f is not None or established) and rising and (kl > KL_ABS or fast)
+    n = ctx.bump("kl", holds)
+    if not holds or n < 2:
+        return None
+    if f is not None:
+        key, base, bound = f.key, f.baseline, f.bound
+    else:
+        key = next((k for k in ctx.values if signal_info(k).role == "kl"
+                    and ctx.values[k] == kl), "kl")
+        b = ctx.baselines.get("kl")
+        base, bound = (b[0], b[2]) if b else (h[-4], KL_ABS)
+    critical = kl > KL_CRITICAL
     return Diagnosis("kl_drift", "critical" if critical else "warning", min(1.0, 0.6 + 0.1 * n),
-                     f"{f.key} {kl:.3g} and rising for {n} steps (baseline {f.baseline:.3g})",
-                     {f.key: f.evidence()},
+                     f"{key} {kl:.3g} and rising for {n} steps ({rate:+.3g}/step; "
+                     f"baseline {base:.3g})",
+                     {key: _ev(kl, base, bound, per_step=rate, abs_bound=KL_ABS)},
                      critical_reason="KL anomalous and above 0.8" if critical else None)
 
 
+# --------------------------------------------------------------------------- gradient_instability
+GRAD_WINDOW = 6  #: recent non-zero steps judged
+GRAD_Z = 3.5  #: robust z of log(grad_norm) that counts as an outlier
+GRAD_MIN_BASE = 24  #: baseline values before any verdict
+GRAD_MIN_SIGMA = 0.1  #: floor of the baseline's log spread (10%): short samples understate it
+
+
 def rule_gradient_instability(ctx: StepContext) -> Diagnosis | None:
-    hist = ctx.history.get("grad_norm")
-    base = ctx.baselines.get("grad_norm")
-    f = ctx.role_findings.get("grad_norm")
-    ctx.streaks["grad_anoms"] = (ctx.streaks.get("grad_anoms", 0) << 1 | (1 if f else 0)) & 0b11111
-    if not hist or len(hist) < 3 or base is None:
+    """The gradient norm's spread jumps far above its history.
+
+    In log space, with the spread of the earlier steps (robust: MAD, floored at 10%) as
+    the yardstick: of the last 6 non-zero steps, 3+ lie more than 3.5 spreads beyond
+    both the baseline median and the recent median, at least one of them below. Measuring
+    from both makes a level shift (grad norm halving after a collapse) no instability, and
+    requiring a low outlier keeps healthy spikes (they only go up) quiet. The DOMAIN sign (std of
+    the last 3 > 2x the historical mean) is reported as evidence. Zero-gradient steps
+    (uniform GRPO groups) are skipped.
+    """
+    g = ctx.values.get("actor/grad_norm")
+    hist = ctx.series("log_grad", 96)
+    raw = ctx.series("grad", 3)
+    if g is None or not math.isfinite(g) or g <= 0:
         return None
-    last3 = list(hist)[-3:]
-    spread = statistics.pstdev(last3)
-    anomalous_recent = bin(ctx.streaks["grad_anoms"]).count("1")
-    holds = spread > 2 * base[0] and anomalous_recent >= 3
+    hist.append(math.log(g))
+    raw.append(g)
+    values = list(hist)
+    if len(values) < GRAD_MIN_BASE + GRAD_WINDOW:
+        return None
+    base, recent = values[:-GRAD_WINDOW], values[-GRAD_WINDOW:]
+    med = statistics.median(base)
+    sigma = max(1.4826 * statistics.median(abs(v - med) for v in base), GRAD_MIN_SIGMA)
+    centre = statistics.median(recent)
+    low_ref, high_ref = min(centre, med), max(centre, med)
+    n_up = sum(1 for v in recent if v > high_ref + GRAD_Z * sigma)
+    n_down = sum(1 for v in recent if v < low_ref - GRAD_Z * sigma)
+    holds = n_down >= 1 and n_up + n_down >= 3
+    n = ctx.bump("grad", holds)
     if not holds:
         return None
-    return Diagnosis("gradient_instability", "warning", 0.8,
-                     f"actor/grad_norm std over the last 3 steps {spread:.3g} > 2x its mean "
-                     f"{base[0]:.3g}; {anomalous_recent} of the last 5 steps anomalous",
-                     {"actor/grad_norm": _ev(last3[-1], base[0], base[2], std_last3=_round(spread))})
+    mean_hist = statistics.fmean(math.exp(v) for v in base)
+    spread = statistics.pstdev(raw) if len(raw) >= 2 else 0.0
+    return Diagnosis("gradient_instability", "warning", min(1.0, 0.6 + 0.05 * (n_up + n_down)),
+                     f"actor/grad_norm erratic: {n_up + n_down} of the last {GRAD_WINDOW} steps "
+                     f"more than {math.exp(GRAD_Z * sigma):.2g}x off its usual {math.exp(med):.3g} "
+                     f"({n_down} below); std of the last 3 {spread:.3g} vs "
+                     f"historical mean {mean_hist:.3g}",
+                     {"actor/grad_norm": _ev(g, math.exp(med), math.exp(high_ref + GRAD_Z * sigma),
+                                             lower_bound=math.exp(low_ref - GRAD_Z * sigma),
+                                             std_last3=spread, historical_mean=mean_hist,
+                                             outliers_up=n_up, outliers_down=n_down, steps=n)})
+
+
+# --------------------------------------------------------------------------- lr_drift
+def parse_milestones(raw: Any) -> list[tuple[int, float]]:
+    """``"40:0.5,80:0.25"`` (or a list of pairs) → sorted ``[(40, 0.5), (80, 0.25)]``."""
+    out: list[tuple[int, float]] = []
+    if raw is None or raw == "":
+        return out
+    items: list[Any]
+    if isinstance(raw, str):
+        items = [p.split(":", 1) for p in raw.split(",") if ":" in p]
+    elif isinstance(raw, (list, tuple)):
+        items = [p for p in raw if isinstance(p, (list, tuple)) and len(p) == 2]
+    else:
+        return out
+    for at, factor in items:
+        try:
+            out.append((int(float(at)), float(factor)))
+        except (TypeError, ValueError):
+            continue
+    return sorted(out)
 
 
 def expected_lr(config: Mapping[str, Any], step: int) -> float | None:
-    """verl's configured actor lr at ``step`` (constant or cosine, with linear warmup)."""
+    """verl's configured actor lr at ``step`` (constant or cosine, linear warmup, planned
+    milestones from :data:`LR_MILESTONES_KEY`).
+
+    verl logs the lr before stepping the scheduler, so step N shows scheduler index N-1
+    (with warmup, step 1 logs 0).
+    """
     def get(*names: str) -> Any:
         for name in names:
             if name in config and config[name] is not None:
@@ -301,114 +650,132 @@ def expected_lr(config: Mapping[str, Any], step: int) -> float | None:
         return None
 
     base = get("actor_rollout_ref.actor.optim.lr")
-    if not isinstance(base, (int, float)) or base <= 0:
+    if not isinstance(base, (int, float)) or isinstance(base, bool) or base <= 0:
         return None
     total = get("actor_rollout_ref.actor.optim.total_training_steps", "trainer.total_training_steps")
     warmup = get("actor_rollout_ref.actor.optim.lr_warmup_steps")
     ratio = get("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio")
     style = get("actor_rollout_ref.actor.optim.lr_scheduler_type",
                 "actor_rollout_ref.actor.optim.warmup_style") or "constant"
-    min_ratio = get("actor_rollout_ref.actor.optim.min_lr_ratio") or 0.0
+    min_ratio = float(get("actor_rollout_ref.actor.optim.min_lr_ratio") or 0.0)
+    cycles = float(get("actor_rollout_ref.actor.optim.num_cycles") or 0.5)
     if not isinstance(warmup, (int, float)) or warmup < 0:
         warmup = int(float(ratio or 0.0) * float(total or 0))
-    if step < warmup:
-        return float(base) * step / max(1.0, float(warmup))
-    if style == "cosine" and isinstance(total, (int, float)) and total > warmup:
-        progress = min(1.0, (step - warmup) / (float(total) - warmup))
-        return float(base) * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-    return float(base)
+    i = max(0, step - 1)
+    if i < warmup:
+        lr = float(base) * i / max(1.0, float(warmup))
+    elif style == "cosine" and isinstance(total, (int, float)) and total > warmup:
+        progress = min(1.0, (i - warmup) / max(1.0, float(total) - warmup))
+        coef = 0.5 * (1 + math.cos(math.pi * 2.0 * cycles * progress))
+        lr = float(base) * (min_ratio + (1 - min_ratio) * coef)
+    else:
+        lr = float(base)
+    factor = 1.0
+    for at, f in parse_milestones(config.get(LR_MILESTONES_KEY)):
+        if step >= at:
+            factor = f
+    return lr * factor
+
+
+LR_TOLERANCE = 0.10  #: DOMAIN: more than 10% off the configured schedule
+LR_FLOOR = 0.01  #: absolute slack, as a share of the peak lr (warmup start, cosine tail)
+LR_STEPS = 2
 
 
 def rule_lr_drift(ctx: StepContext) -> Diagnosis | None:
-    lr = ctx.role("lr")
-    if lr is None:
+    """actor/lr more than 10% off the configured schedule for 2 steps (off-by-one tolerant)."""
+    lr = ctx.values.get("actor/lr")
+    if lr is None or not math.isfinite(lr):
         return None
-    candidates = [e for e in (expected_lr(ctx.config, ctx.step), expected_lr(ctx.config, ctx.step - 1),
-                              expected_lr(ctx.config, ctx.step + 1)) if e is not None]
-    if not candidates:
+    peak = ctx.config.get("actor_rollout_ref.actor.optim.lr")
+    candidates = [e for e in (expected_lr(ctx.config, s) for s in (ctx.step, ctx.step - 1,
+                                                                    ctx.step + 1)) if e is not None]
+    if not candidates or not isinstance(peak, (int, float)):
         return None
     best = min(candidates, key=lambda e: abs(lr - e))
-    off = abs(lr - best) / best if best > 0 else (math.inf if lr > 0 else 0.0)
-    holds = off > 0.10
+    slack = LR_TOLERANCE * best + LR_FLOOR * float(peak)
+    holds = abs(lr - best) > slack
     n = ctx.bump("lr", holds)
-    if n < 3:
+    if n < LR_STEPS:
         return None
-    return Diagnosis("lr_drift", "warning", min(1.0, 0.6 + 0.1 * n),
-                     f"actor/lr {lr:.3g} is {off:.0%} off the configured schedule ({best:.3g}) "
-                     f"for {n} steps", {"actor/lr": _ev(lr, best, best * 1.1 if lr > best else best * 0.9)})
+    off = abs(lr - best) / best if best > 0 else math.inf
+    bound = best + slack if lr > best else best - slack
+    return Diagnosis("lr_drift", "warning", min(1.0, 0.7 + 0.05 * n),
+                     f"actor/lr {lr:.3g} is {off:.0%} {'above' if lr > best else 'below'} the "
+                     f"configured schedule ({best:.3g}) for {n} steps",
+                     {"actor/lr": _ev(lr, best, bound, steps=n)})
 
 
-def rule_straggler(ctx: StepContext) -> Diagnosis | None:
-    per_rank = {r: v["timing_s/rank_step"] for r, v in ctx.ranks.items()
-                if math.isfinite(v.get("timing_s/rank_step", math.nan))}
-    if len(per_rank) < 3:
-        ctx.streaks.pop("straggler_rank", None)
-        return None
-    values = sorted(per_rank.values())
-    med = statistics.median(values)
-    mad = statistics.median(abs(v - med) for v in values)
-    slow_rank, slow = max(per_rank.items(), key=lambda kv: kv[1])
-    scale = max(1.4826 * mad, 0.03 * med, 1e-6)
-    holds = slow > 1.5 * med and (slow - med) / scale > 5
-    prev = ctx.streaks.get("straggler_rank")
-    if holds and prev == slow_rank:
-        n = ctx.bump("straggler", True)
-    else:
-        ctx.streaks["straggler"] = 1 if holds else 0
-        n = ctx.streaks["straggler"]
-    ctx.streaks["straggler_rank"] = slow_rank if holds else -1
-    if n < 3:
-        return None
-    host = ctx.hosts.get(slow_rank)
-    where = f"rank {slow_rank}" + (f" on {host}" if host else "")
-    return Diagnosis("straggler", "warning", min(1.0, 0.6 + 0.1 * n),
-                     f"{where} takes {slow:.3g}s per step, {slow / med:.1f}x the peers' median "
-                     f"{med:.3g}s, for {n} steps",
-                     {f"timing_s/rank_step[rank={slow_rank}]": _ev(slow, med, 1.5 * med, host=host)},
-                     host=host, rank=slow_rank)
+# --------------------------------------------------------------------------- unknown
+#: Roles whose slow trends are normal learning dynamics, judged by their own rules only.
+_TREND_ROLES = {"kl", "policy_kl", "entropy", "response_length"}
+UNKNOWN_SUSTAIN = 5
 
 
 def rule_unknown(ctx: StepContext) -> Diagnosis | None:
-    """Critical conditions no specific rule explained, and sustained anomalies of watched signals."""
+    """Anomalous, but no pattern fits: the critical latency condition, or a watched signal
+    far outside its band for 5+ steps. Any specific diagnosis of the step absorbs it."""
     latency = ctx.role("latency")
-    if latency is not None and latency > 5.0 and "latency" in ctx.role_findings:
+    length = ctx.role("response_length")
+    per_token = ctx.series("latency_per_len", 32)
+    explained = False
+    if latency is not None and length is not None and length > 0:
+        ratio_now = latency / length
+        if len(per_token) >= 5:
+            # Generation slower because responses are longer (e.g. all at the length cap)
+            # is not "stuck": judge latency per response length.
+            explained = ratio_now < 1.5 * statistics.median(per_token)
+        if "latency" not in ctx.role_findings:
+            per_token.append(ratio_now)
+    stuck = (latency is not None and latency > 5.0 and "latency" in ctx.role_findings
+             and not explained)
+    n_lat = ctx.bump("unknown_latency", stuck)
+    if stuck and n_lat >= 2:
         f = ctx.role_findings["latency"]
         return Diagnosis("unknown", "critical", 0.5,
-                         f"{f.key} {f.value:.3g}s, {f.value / max(f.baseline, 1e-9):.1f}x its baseline, "
-                         "with no input-pipeline or compute pattern: generation may be stuck",
-                         {f.key: f.evidence()},
+                         f"{f.key} {f.value:.3g}s, {f.value / max(f.baseline, 1e-9):.1f}x its baseline "
+                         f"for {n_lat} steps, with no input-pipeline, straggler or compute pattern: "
+                         "generation may be stuck", {f.key: f.evidence()},
                          critical_reason="rollout latency anomalous and above 5 s")
     sustained = []
+    strong = set()
     for key, f in ctx.findings.items():
-        if f.score < 2.0:
+        role = signal_info(key).role
+        if f.score < 2.0 or role in _TREND_ROLES:
             continue
+        strong.add(key)
         n = ctx.streaks.get(f"u:{key}", 0) + 1
         ctx.streaks[f"u:{key}"] = n
-        if n >= 5:
+        if n >= UNKNOWN_SUSTAIN:
             sustained.append(f)
-    strong = {k for k, f in ctx.findings.items() if f.score >= 2.0}
     for key in [k for k in ctx.streaks if k.startswith("u:") and k[2:] not in strong]:
         del ctx.streaks[key]
     if not sustained:
         return None
     sustained.sort(key=lambda f: -f.score)
     return Diagnosis("unknown", "warning", 0.3,
-                     f"{len(sustained)} signal(s) outside their healthy band for 5+ steps: "
-                     + ", ".join(f.key for f in sustained[:3]),
+                     f"{len(sustained)} signal(s) outside their healthy band for "
+                     f"{UNKNOWN_SUSTAIN}+ steps: " + ", ".join(f.key for f in sustained[:3]),
                      {f.key: f.evidence() for f in sustained[:5]})
 
 
+def _bookkeeping(ctx: StepContext) -> Diagnosis | None:
+    """Not a rule: state the rules read on later steps."""
+    _remember_finite(ctx)
+    return None
+
+
 RULES: tuple[Callable[[StepContext], Diagnosis | None], ...] = (
-    rule_nan_loss, rule_stalled_learning, rule_numeric_underflow, rule_dataloader_stall,
-    rule_straggler, rule_comm_degradation, rule_memory_leak, rule_entropy_collapse, rule_kl_drift,
-    rule_lr_drift, rule_gradient_instability, rule_unknown,
+    rule_nan_loss, rule_stalled_learning, rule_numeric_underflow, rule_straggler,
+    rule_dataloader_stall, rule_comm_degradation, rule_memory_leak, rule_entropy_collapse,
+    rule_kl_drift, rule_lr_drift, rule_gradient_instability, rule_unknown, _bookkeeping,
 )
 
 
 def diagnose(ctx: StepContext) -> list[Diagnosis]:
-    """All diagnoses of a step, most specific first; ones explained by a more specific
-    diagnosis (sharing an evidence signal) are dropped from the list and returned as
-    that diagnosis's secondary labels by the engine."""
+    """All diagnoses of a step, most specific first; the engine files the ones that share
+    an evidence signal with a more specific diagnosis (and every ``unknown`` next to a
+    specific one) as that diagnosis's secondary labels."""
     out = [d for rule in RULES if (d := rule(ctx)) is not None]
     out.sort(key=lambda d: (-d.specificity, d.label))
     return out

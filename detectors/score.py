@@ -37,9 +37,10 @@ class ScoreError(TrainsentryError):
 def best() -> Combiner:
     """The recommended single-signal detector (the one tuned on NAB).
 
-    Four views of one signal, calibrated by their own records, max'ed, one alarm per event:
+    Five views of one signal, calibrated by their own records, max'ed, one alarm per event:
     a spike band around a slow EWMA level, a level-shift band on the short-term mean, a
-    variance change (flat lines and bursts), and sudden jumps between consecutive values.
+    variance change (flat lines and bursts), sudden jumps between consecutive values, and
+    a median/MAD band that spikes cannot stretch (tuned on NAB, see docs/detectors.md).
     """
     slow = 0.0003  # long memory: the band is the signal's normal range over days of data
     return Combiner(
@@ -48,8 +49,9 @@ def best() -> Combiner:
             EWMA(alpha=slow, smooth=12),
             VarianceChange(short=12, alpha=slow),
             EWMA(alpha=slow, diff=True),
+            RobustZScore(window=2000, min_samples=100),
         ],
-        decay=0.9997,
+        decay=0.9999,
         warmup=150,
         refractory=100,
     )
@@ -63,7 +65,7 @@ def _single(factory: Callable[[], Detector]) -> Callable[[], Detector]:
 DETECTORS: dict[str, Callable[[], Detector]] = {
     "best": best,
     "adaptive": _single(lambda: AdaptiveThreshold(window=100, k=3.0, nonnegative=False)),
-    "robust": _single(lambda: RobustZScore(window=500)),
+    "robust": _single(lambda: RobustZScore(window=2000, min_samples=100)),
     "ewma": _single(lambda: EWMA(alpha=0.0003)),
     "holt": _single(lambda: EWMA(alpha=0.01, beta=0.01)),
     "level_shift": _single(lambda: EWMA(alpha=0.0003, smooth=12)),
@@ -92,7 +94,7 @@ def _to_unit(score: float) -> float:
 def score_series(values: Iterable[float], *, detector: str = "best") -> list[float]:
     """A score in [0, 1] for each value, each scored before it is learned (past rows only).
 
-    >>> scores = score_series([1.0] * 300 + [50.0])
+    >>> scores = score_series([float(i % 7) for i in range(300)] + [50.0])
     >>> len(scores), scores[-1] > 0.5
     (301, True)
     """
@@ -162,7 +164,8 @@ def run_score(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``score FILE.csv [--detector NAME]`` to an argparse ``subparsers`` object.
 
-    The parser's ``handler`` default is :func:`run_score` (call ``args.handler(args)``).
+    The parser's ``func`` default is :func:`run_score` (trainsentry/cli.py calls
+    ``args.func(args)`` and exits with its return value).
     """
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "score",
@@ -175,5 +178,5 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--detector", default="best", metavar="NAME",
                         help=f"detector configuration (default: best); one of: "
                              f"{', '.join(sorted(DETECTORS))}")
-    parser.set_defaults(handler=run_score)
+    parser.set_defaults(func=run_score)
     return parser

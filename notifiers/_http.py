@@ -46,7 +46,7 @@ async def post_json(client: httpx.AsyncClient, url: str, payload: Any, *, receiv
     except httpx.HTTPError as exc:  # connect/read/write/protocol errors
         detail = scrub(str(exc), secrets)[:200]
         err = TransientError(
-            f"{receiver}: could not reach {redact_url(url)}: {type(exc).__name__}: {detail}",
+            f"{receiver}: could not reach {redact_url(url)} ({type(exc).__name__}: {detail})",
             receiver=receiver)
     else:
         text = resp.text

@@ -358,6 +358,12 @@ class Deliverer:
                     self._fail(lane, batch, "config_error", lane.reason or "configuration error")
                     return
                 while (delay := lane.limiter.wait_time()) > 0:
+                    if started is not None:  # the time bound covers waits for a rate slot too
+                        elapsed = self._clock() - started
+                        if elapsed >= self.retry.max_total_s:
+                            self._give_up(lane, batch, retries, elapsed)
+                            return
+                        delay = min(delay, self.retry.max_total_s - elapsed)
                     await self._sleep(delay)
                 self._take(lane, batch)
                 batch[:] = [i for i in batch if not i.future.done()]
@@ -373,16 +379,16 @@ class Deliverer:
                     reason = scrub(str(exc))
                     lane.state, lane.reason, lane.last_error = "config_error", reason, reason
                     lane.disabled_until = self._clock() + self.config_recheck_s
-                    logger.error("%s: configuration error, not retrying (%d alert(s) lost; "
-                                 "fix the setting and restart): %s", name, len(batch), reason)
+                    logger.error("configuration error, not retrying (%d alert(s) lost; fix the "
+                                 "setting and restart): %s", len(batch), reason)
                     self._fail(lane, batch, "config_error", reason)
                     return
                 except MessageRejected as exc:
                     lane.limiter.record()
                     reason = scrub(str(exc))
                     lane.last_error = reason
-                    logger.error("%s: message rejected, not retrying (%d alert(s)): %s",
-                                 name, len(batch), reason)
+                    logger.error("message rejected, not retrying (%d alert(s) lost): %s",
+                                 len(batch), reason)
                     self._fail(lane, batch, "rejected", reason)
                     return
                 except TransientError as exc:
@@ -400,15 +406,11 @@ class Deliverer:
                         delay = max(delay, slot, exc.retry_after or 0.0)
                     elapsed = self._clock() - started
                     if elapsed >= self.retry.max_total_s:
-                        lane.state = "failing"
-                        logger.error("%s: giving up after %d attempts in %.0fs (%d alert(s) "
-                                     "lost): %s", name, retries, elapsed, len(batch), reason)
-                        self._fail(lane, batch, "gave_up",
-                                   f"gave up after {retries} retries: {reason}")
+                        self._give_up(lane, batch, retries, elapsed)
                         return
                     delay = min(delay, self.retry.max_total_s - elapsed)
                     lane.state = "retrying"
-                    logger.warning("%s: %s; retry %d in %.2fs", name, reason, retries, delay)
+                    logger.warning("%s; retry %d in %.2fs", reason, retries, delay)
                     await self._sleep(delay)
                     continue
                 lane.limiter.record()
@@ -426,6 +428,13 @@ class Deliverer:
                 return
         finally:
             lane.in_flight = 0
+
+    def _give_up(self, lane: _Lane, batch: list[_Item], retries: int, elapsed: float) -> None:
+        lane.state = "failing"
+        reason = lane.last_error or "no answer"
+        logger.error("%s: giving up after %d retries in %.0fs (%d alert(s) lost); last error: %s",
+                     lane.receiver.name, retries, elapsed, len(batch), reason)
+        self._fail(lane, batch, "gave_up", f"gave up after {retries} retries: {reason}")
 
     def _fail(self, lane: _Lane, items: list[_Item], kind: FailureKind, reason: str,
               *, count: bool = True) -> None:

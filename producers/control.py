@@ -9,6 +9,7 @@ else goes to ``on_reject(raw, reason)`` and the log; it is never applied.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -166,10 +167,8 @@ class ControlListener:
                 log.exception("trainsentry: control listener error; reconnecting")
                 self._stop.wait(1.0)
             finally:
-                try:
+                with contextlib.suppress(Exception):
                     consumer.close()
-                except Exception:
-                    pass
 
     def _consume(self, consumer: Any) -> None:
         from kafka import TopicPartition

@@ -119,6 +119,9 @@ KNOWN_SIGNALS: dict[str, SignalInfo] = {
     "perf/mfu/actor": _s("resource", "mfu"),
     "perf/total_num_tokens": _s("resource"),
     "perf/time_per_step": _s("compute", "step_time"),
+    # A rank's own busy time in the step (the sampler's per-rank view; not a verl key).
+    # Peers compare it to find a straggler, so it rides in the per-rank resource record.
+    "timing_s/rank_step": _s("resource", "rank_step_time"),
 }
 
 #: Prefix → layer for keys not listed above (longest prefix wins).

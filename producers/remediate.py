@@ -23,7 +23,10 @@ checkpoint (if any) was written, and obeys the returned :class:`Decision`:
     Save a checkpoint now (when the trainer offers a way) and go on training.
 
 Rejected commands (bad signature, replay, expired, wrong run, impossible target) are
-published as ``command_rejected`` RunEvents with the reason and never applied.
+published as ``command_rejected`` RunEvents with the reason and never applied. The marker
+files (``trainsentry_<action>_<id>.json``) double as a record of applied commands: one whose
+marker exists is rejected as already applied, so a restarted trainer, whose listener
+re-reads the last minute of the control topic, does not roll back again.
 """
 
 from __future__ import annotations
@@ -195,6 +198,14 @@ class Remediator:
     # ------------------------------------------------------------------ inputs
     def submit(self, command: ControlCommand) -> None:
         """Queue a *verified* command for the next step boundary (listener's ``on_command``)."""
+        earlier = self._applied_before(command)
+        if earlier is not None:
+            # The listener re-reads the last minute of the control topic at start-up, and its
+            # replay memory dies with the process: after a restart the command that caused it
+            # arrives again. The marker on disk makes "applied once" survive restarts.
+            self._reject(command.id, command.action,
+                         f"command {command.id} was already applied (see {earlier})")
+            return
         if command.action == "rollback":
             reason = self._rollback_problem(command.to_step, current_step=None)
             if reason:
@@ -288,8 +299,10 @@ class Remediator:
             self._reject(command.id, command.action, f"checkpoint save failed: {exc}")
             return
         self.note_checkpoint(step)
+        result = f"checkpoint saved at step {step}"
+        self._write_marker("checkpoint", command, step, None, {"result": result})
         self._publish("command_applied", step=step, command_id=command.id, action="checkpoint",
-                      result=f"checkpoint saved at step {step}")
+                      result=result)
 
     def _save_if_stale(self, step: int) -> str:
         last = self.last_saved_step
@@ -362,6 +375,12 @@ class Remediator:
                         to_step=target, checkpoint=ckpt, result=result, marker=marker)
 
     # ------------------------------------------------------------------ helpers
+    def _applied_before(self, command: ControlCommand) -> Path | None:
+        if self.checkpoint_dir is None:
+            return None
+        path = marker_path(self.checkpoint_dir, command.action, command.id)
+        return path if path.exists() else None
+
     def _rollback_problem(self, target: int | None, current_step: int | None) -> str | None:
         if target is None:
             return "rollback needs to_step"

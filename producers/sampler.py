@@ -29,6 +29,7 @@ It can also run alone as a per-node sidecar: ``python -m producers.sampler --run
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -215,7 +216,7 @@ class ResourceSampler:
         self._init_xid()
 
     def _init_xid(self) -> None:
-        nvml = self._nvml
+        nvml: Any = self._nvml
         try:
             self._xid_set = nvml.nvmlEventSetCreate()
             for _, handle in self._handles or []:
@@ -238,7 +239,7 @@ class ResourceSampler:
             return None
 
     def _gpu_metrics(self, index: int, h: Any) -> dict[str, float]:
-        nvml = self._nvml
+        nvml: Any = self._nvml
         out: dict[str, float] = {}
 
         def put(name: str, fn: Callable[[], float]) -> None:
@@ -267,13 +268,14 @@ class ResourceSampler:
 
     def _mem(self, h: Any) -> tuple[float, float] | None:
         try:
-            info = self._nvml.nvmlDeviceGetMemoryInfo(h)
+            nvml: Any = self._nvml
+            info = nvml.nvmlDeviceGetMemoryInfo(h)
             return float(info.used), float(info.total)
         except Exception:
             return None
 
     def _drain_xid(self) -> None:
-        nvml = self._nvml
+        nvml: Any = self._nvml
         by_handle = {id(h): i for i, h in self._handles or []}
         for _ in range(64):  # bounded: never spin on a flood of events
             try:
@@ -288,10 +290,8 @@ class ResourceSampler:
 
     def _host_metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        try:
+        with contextlib.suppress(OSError):
             out["system/cpu_load_avg"] = float(os.getloadavg()[0])
-        except OSError:
-            pass
         out["system/cpu_count"] = float(os.cpu_count() or 0)
         ps = self._psutil_module()
         if ps is None:

@@ -30,6 +30,7 @@ the Remediator wrote (``trainsentry_rollback_<id>.json``), not only from exit co
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -177,6 +178,7 @@ class TrainsentryBackend:
         self.step = 0
         self._finished = False
         self._save_hook = save_checkpoint
+        self._trainer_ref: weakref.ref[Any] | None = None
         self.producer = producer if producer is not None else MetricsProducer(
             run_id=self.run_id, bootstrap=KafkaOptions.from_settings(self.settings),
             topic_prefix=self.settings.topic_prefix, attempt=self.attempt, host=self.host)
@@ -188,7 +190,8 @@ class TrainsentryBackend:
                 step_fn=lambda: self.step)
         self.remediator = Remediator(
             checkpoint_dir=self.checkpoint_dir, producer=self.producer,
-            save_checkpoint=self._save_checkpoint, run_id=self.run_id, attempt=self.attempt,
+            save_checkpoint=self._save_checkpoint if save_checkpoint else None,
+            run_id=self.run_id, attempt=self.attempt,
             stale_after_steps=max(1, _env_int(env, "TRAINSENTRY_STALE_AFTER_STEPS", 1)),
             resource_snapshot=self.sampler.snapshot if self.sampler is not None else None)
         self.listener: ControlListener | None = None
@@ -215,17 +218,16 @@ class TrainsentryBackend:
     # ------------------------------------------------------------------ verl's backend API
     def log(self, data: Mapping[str, Any], step: int) -> None:
         """Publish one step's metrics, then apply a pending command (the step boundary)."""
-        try:
+        with contextlib.suppress(TypeError, ValueError):
             self.step = int(step)
-        except (TypeError, ValueError):
-            pass
         self.producer.log(data, step=self.step)
         if not self.remediator.has_work:
             return
         if self._save_hook is None:
             trainer = _find_verl_trainer()
             if trainer is not None:
-                self._trainer_ref: Any = weakref.ref(trainer)
+                self._trainer_ref = weakref.ref(trainer)
+        self.remediator.save_checkpoint = self._save_checkpoint if self.can_save else None
         decision = self.remediator.at_step_boundary(self.step, data)
         if decision.should_exit:
             self.finish(exit_code=decision.exit_code or 0)
@@ -274,20 +276,21 @@ class TrainsentryBackend:
         Without one, on verl it uses the trainer found on the call stack (``_save_checkpoint``).
         """
         self._save_hook = save
+        self.remediator.save_checkpoint = self._save_checkpoint if self.can_save else None
 
     def _save_checkpoint(self) -> None:
         if self._save_hook is not None:
             self._save_hook()
             return
-        ref = getattr(self, "_trainer_ref", None)
-        trainer = ref() if ref is not None else None
+        trainer = self._trainer_ref() if self._trainer_ref is not None else None
         if trainer is None:
             raise RuntimeError("no verl trainer found on the call stack to save a checkpoint")
         trainer._save_checkpoint()
 
     @property
     def can_save(self) -> bool:
-        return self._save_hook is not None or getattr(self, "_trainer_ref", None) is not None
+        return self._save_hook is not None or (
+            self._trainer_ref is not None and self._trainer_ref() is not None)
 
 
 class TrainsentryCheckpointCallback:

@@ -145,7 +145,7 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
     @app.timer(interval=hang_interval_s, name="trainsentry.hang")
     async def hang_check() -> None:
         now = time.time()
-        for run_id, state in list(svc.cache.items()):
+        for state in list(svc.cache.values()):
             outcome = pipeline.tick(state, now)
             if outcome.outputs:
                 await publish(outcome, state)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import pickle
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from detectors.engine import Engine, Output, RunState
 from trainsentry.config import Secret, Topics
@@ -64,8 +66,10 @@ class Pipeline:
     """Decode → engine → signed/encoded records (or a dead letter with the reason)."""
 
     def __init__(self, *, engine: Engine, topics: Topics, control_secret: Secret,
-                 max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+                 max_record_bytes: int = MAX_RECORD_BYTES,
+                 clock: Callable[[], float] = time.time) -> None:
         self.engine = engine
+        self._clock = clock
         self.topics = topics
         self._secret = control_secret
         self.max_record_bytes = max_record_bytes
@@ -99,7 +103,7 @@ class Pipeline:
         return Record(self.topics.deadletter, key or b"", body, headers)
 
     def handle(self, state: RunState, event: MetricEvent | RunEvent) -> Outcome:
-        outputs = self.engine.process(state, event)
+        outputs = self.engine.process(state, event, arrival=self._clock())
         return self.encode(state.run_id, outputs)
 
     def tick(self, state: RunState, now: float) -> Outcome:
@@ -117,6 +121,7 @@ class Pipeline:
                               "set; set TRAINSENTRY_CONTROL_SECRET to publish signed commands",
                               run_id, o.reason)
                     continue
-                signed = sign_command(o, self._secret.get())
+                # Commands are dated by the service's clock: the trainer checks their age.
+                signed = sign_command(replace(o, issued_at=self._clock()), self._secret.get())
                 out.records.append(Record(self.topics.control, key, dumps(signed)))
         return out

@@ -26,7 +26,6 @@ def build_notifier(settings: Settings) -> object | None:
 def run_service(settings: Settings, *, workdir: str | None = None) -> int:
     """Run one worker until SIGTERM/SIGINT; returns the exit code."""
     from faust.worker import Worker
-
     from trainsentry.topics import create_topics, wait_for_broker
 
     log.info("trainsentry serve starting with %s", settings.redacted())

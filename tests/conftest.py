@@ -16,6 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 
+#: The fake DingTalk / WeCom servers' fixtures, for every test module.
+pytest_plugins = ["tests.chat_servers"]
+
 
 def _reachable(bootstrap: str) -> bool:
     host, _, port = bootstrap.split(",")[0].rpartition(":")

@@ -111,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     faulty = args.fault_attempts == "all" or str(attempt) in args.fault_attempts.split(",")
 
     from omegaconf import OmegaConf
-
-    import producers.verl_plugin  # noqa: F401  (verl imports it too, via the entry point)
     from verl.trainer.ppo.checkpoint_callback import build_checkpoint_callback
     from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
     from verl.utils.tracking import Tracking
+
+    import producers.verl_plugin  # noqa: F401  (verl imports it too, via the entry point)
 
     config = OmegaConf.create({"trainer": {
         "project_name": args.project, "experiment_name": args.experiment,

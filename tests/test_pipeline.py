@@ -52,12 +52,13 @@ def test_deadletter_record_keeps_key_value_and_reason_headers() -> None:
 
 def test_commands_are_signed_and_state_round_trips() -> None:
     """Commands leave the pipeline signed with the control secret; RunState pickles."""
-    p = _pipeline("sekrit")
-    cmd = ControlCommand(id="c", run_id="r", action="stop", reason="x", issued_at=100.0)
+    p = Pipeline(engine=Engine(), topics=TOPICS, control_secret=Secret("sekrit"), clock=lambda: 100.0)
+    cmd = ControlCommand(id="c", run_id="r", action="stop", reason="x", issued_at=5.0)
     outcome = p.encode("r", [cmd])
     (rec,) = outcome.records
     assert rec.topic == TOPICS.control and rec.key == b"r"
-    verify_command(json.loads(rec.value), "sekrit", run_id="r", now=100.0)
+    verified = verify_command(json.loads(rec.value), "sekrit", run_id="r", now=100.0)
+    assert verified.issued_at == 100.0  # re-dated by the service clock before signing
     state = p.engine.new_state("r")
     p.handle(state, p.decode(TOPICS.data, b"r", json.dumps(GOOD).encode()))
     assert load_state(dump_state(state)).pending.keys() == state.pending.keys()

@@ -17,8 +17,10 @@ from notifiers.templates import (
     render_wecom_markdown,
     truncate_utf8,
 )
-from tests.chat_servers import make_alert
 from trainsentry.errors import ConfigError
+
+pytest.register_assert_rewrite("tests.chat_servers")
+from tests.chat_servers import make_alert  # noqa: E402
 
 VOCABULARY = ["dataloader_stall", "kl_drift", "numeric_underflow", "comm_degradation",
               "memory_leak", "nan_loss", "training_hang", "straggler", "gradient_instability",

@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Starts a local Kafka broker (if none runs), the service, a "
                        "local chat sink, and a simulated verl run with an injected fault; shows "
                        "the chat alerts and the signed stop command, then stops everything.")
-    p.add_argument("--fault", default="dataloader_stall", help="fault label to inject")
+    p.add_argument("--fault", default="nan_loss", help="fault label to inject (default nan_loss; see `trainsentry simulate --help`)")
     p.add_argument("--steps", type=int, default=80, help="steps to simulate (default 80)")
     p.add_argument("--port", type=int, default=9092, help="Kafka port (default 9092)")
     p.add_argument("--web-port", type=int, default=6066, help="service HTTP port (default 6066)")

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from trainsentry.errors import EventError
 
@@ -259,6 +259,9 @@ class AlertEvent:
     checks: list[str] = field(default_factory=list)
     host: str | None = None
     rank: int | None = None
+    #: Recent ``[step, value]`` points of the evidence signals (value null when non-finite),
+    #: so a notifier can draw the chart without asking the service.
+    series: dict[str, list[list[Any]]] = field(default_factory=dict)
     v: int = SCHEMA_VERSION
 
     kind = "alert"
@@ -293,6 +296,7 @@ class AlertEvent:
             checks=list(_optional(obj, "checks", list, what, [])),
             host=_optional(obj, "host", str, what, None),
             rank=None if rank is None else int(rank),
+            series=dict(_optional(obj, "series", dict, what, {})),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -300,6 +304,8 @@ class AlertEvent:
         for key in ("confidence", "host", "rank"):
             if out[key] is None:
                 del out[key]
+        if not out["series"]:
+            del out["series"]
         return {"v": out.pop("v"), **out}
 
 
@@ -353,7 +359,7 @@ class ControlCommand:
         return {**self.body(), "sig": self.sig}
 
 
-Event = Union[MetricEvent, RunEvent, AlertEvent, ControlCommand]
+Event = MetricEvent | RunEvent | AlertEvent | ControlCommand
 
 
 def decode_event(obj: Mapping[str, Any]) -> MetricEvent | RunEvent:

@@ -21,6 +21,7 @@ and end supervision once the child has exited. When the child exits:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -81,10 +82,8 @@ def _new_markers(checkpoint_dir: Path | None, before: Mapping[str, float]) -> li
 
 def _host_snapshot(checkpoint_dir: Path | None) -> dict[str, Any]:
     snap: dict[str, Any] = {}
-    try:
+    with contextlib.suppress(OSError):
         snap["system/cpu_load_avg"] = os.getloadavg()[0]
-    except OSError:
-        pass
     try:
         import psutil
 
@@ -184,12 +183,10 @@ def supervise(
             try:
                 os.killpg(child.pid, signum)
             except (ProcessLookupError, PermissionError):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     child.send_signal(signum)
-                except ProcessLookupError:
-                    pass
 
-    previous: dict[int, Any] = {}
+    previous: dict[signal.Signals, Any] = {}
     if forward_signals:
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, forward)
@@ -268,7 +265,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the training command, after `--`")
     parser.set_defaults(func=run_cli)
-    return parser
+    return parser  # type: ignore[no-any-return]
 
 
 def run_cli(args: argparse.Namespace) -> int:

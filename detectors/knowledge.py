@@ -83,7 +83,8 @@ KNOWLEDGE: dict[str, Knowledge] = {
     "lr_drift": Knowledge(
         "learning rate off its configured schedule",
         ("compare actor/lr with the scheduler config (warmup, decay, total steps)",
-         "did a resume restore the scheduler state?"),
+         "did a resume restore the scheduler state?",
+         "was the change planned? declare it in actor_rollout_ref.actor.optim.lr_milestones"),
         ("fix the scheduler configuration or the resume step", "restart from a checkpoint"),
     ),
     "entropy_collapse": Knowledge(

@@ -29,7 +29,7 @@ from detectors.monitor import Finding, _round
 from producers.layers import signal_info
 
 __all__ = ["StepContext", "Diagnosis", "RULES", "diagnose", "expected_lr", "parse_milestones",
-           "peer_outlier", "SPECIFICITY", "LR_MILESTONES_KEY"]
+           "peer_outlier", "PeerOutlier", "SPECIFICITY", "LR_MILESTONES_KEY"]
 
 #: Higher wins when several diagnoses explain the same signals (shared evidence keys).
 SPECIFICITY: dict[str, int] = {
@@ -249,25 +249,39 @@ STRAGGLER_Z = 6.0
 STRAGGLER_STEPS = 2
 
 
-def peer_outlier(per_rank: Mapping[int, float]) -> tuple[int, float, float, float] | None:
-    """The slowest rank if it is a peer-relative outlier: (rank, value, peers' median, z).
+@dataclass(frozen=True)
+class PeerOutlier:
+    """The slowest rank (and every rank as slow as a straggler) against its peers."""
 
-    Compared with the *other* ranks only (leave-one-out median and MAD, scale floored at
-    3% of the median), so it works from 2 ranks and is blind to the whole run slowing.
+    rank: int
+    value: float
+    reference: float  #: the peers' median: the faster half of the ranks
+    z: float  #: robust standard deviations of the peers above the reference
+    slow_ranks: tuple[int, ...]  #: every outlying rank, slowest first
+
+
+def peer_outlier(per_rank: Mapping[int, float]) -> PeerOutlier | None:
+    """The slow rank(s), judged against the faster half of the ranks.
+
+    The reference is the median of the faster half and the spread its MAD (floored at
+    3% of the median), so up to half the ranks can be slow without hiding, it works
+    from 2 ranks (the other one is the reference), and the whole run slowing down moves
+    the reference with it.
     """
     if len(per_rank) < 2:
         return None
-    slow_rank, slow = max(per_rank.items(), key=lambda kv: (kv[1], -kv[0]))
-    others = [v for r, v in per_rank.items() if r != slow_rank]
-    med = statistics.median(others)
-    if med <= 0:
+    ordered = sorted(per_rank.items(), key=lambda kv: (kv[1], kv[0]))
+    peers = [v for _r, v in ordered[: (len(ordered) + 1) // 2]]
+    ref = statistics.median(peers)
+    if ref <= 0:
         return None
-    mad = statistics.median(abs(v - med) for v in others)
-    scale = max(1.4826 * mad, 0.03 * med)
-    z = (slow - med) / scale
-    if slow >= STRAGGLER_RATIO * med and z >= STRAGGLER_Z:
-        return slow_rank, slow, med, z
-    return None
+    scale = max(1.4826 * statistics.median(abs(v - ref) for v in peers), 0.03 * ref)
+    slow = [(r, v) for r, v in reversed(ordered)
+            if v >= STRAGGLER_RATIO * ref and (v - ref) / scale >= STRAGGLER_Z]
+    if not slow:
+        return None
+    rank, value = slow[0]
+    return PeerOutlier(rank, value, ref, (value - ref) / scale, tuple(r for r, _v in slow))
 
 
 def _rank_times(ctx: StepContext) -> dict[int, float]:
@@ -283,7 +297,7 @@ def rule_straggler(ctx: StepContext) -> Diagnosis | None:
         ctx.streaks["straggler"] = 0
         ctx.streaks["straggler_rank"] = -1
         return None
-    rank, slow, med, z = out
+    rank, slow, med = out.rank, out.value, out.reference
     n = ctx.streaks.get("straggler", 0) + 1 if prev == rank else 1
     ctx.streaks["straggler"] = n
     ctx.streaks["straggler_rank"] = rank
@@ -291,8 +305,14 @@ def rule_straggler(ctx: StepContext) -> Diagnosis | None:
         return None
     host = ctx.hosts.get(rank)
     where = f"rank {rank}" + (f" on {host}" if host else "")
+    if len(out.slow_ranks) > 1:
+        hosts = {ctx.hosts.get(r) for r in out.slow_ranks}
+        others = ", ".join(str(r) for r in out.slow_ranks[1:])
+        where += (f" (with ranks {others}: the whole host looks slow)"
+                  if len(hosts) == 1 and host else f" (ranks {others} are slow too)")
     ev = {f"timing_s/rank_step[rank={rank}]": _ev(slow, med, STRAGGLER_RATIO * med, host=host,
-                                                  peer_z=z, ranks=len(ctx.ranks))}
+                                                  peer_z=out.z, ranks=len(ctx.ranks),
+                                                  slow_ranks=list(out.slow_ranks))}
     peer_util = [v["gpu/utilization_pct"] for r, v in ctx.ranks.items()
                  if r != rank and "gpu/utilization_pct" in v]
     own_util = ctx.ranks.get(rank, {}).get("gpu/utilization_pct")
@@ -395,6 +415,14 @@ def _capacity(ctx: StepContext) -> float:
     return total if total and total > 0 else 80.0
 
 
+def _slope(ys: list[float]) -> float:
+    """Least-squares slope per step."""
+    w = len(ys)
+    xm, ym = (w - 1) / 2, sum(ys) / w
+    sxx = sum((i - xm) ** 2 for i in range(w))
+    return sum((i - xm) * (v - ym) for i, v in enumerate(ys)) / sxx
+
+
 def _climb(ys: list[float], cap: float) -> tuple[int, float, float] | None:
     """(window, slope per step, t) of the shortest window with a significant monotone climb.
 
@@ -408,7 +436,7 @@ def _climb(ys: list[float], cap: float) -> tuple[int, float, float] | None:
         xm = (w - 1) / 2
         sxx = sum((i - xm) ** 2 for i in range(w))
         ym = sum(y) / w
-        b = sum((i - xm) * (v - ym) for i, v in enumerate(y)) / sxx
+        b = _slope(y)
         if b <= 0:
             continue
         resid = [v - (ym + b * (i - xm)) for i, v in enumerate(y)]
@@ -454,8 +482,11 @@ def rule_memory_leak(ctx: StepContext) -> Diagnosis | None:
     role = "gpu_mem" if "gpu_mem" in series else "actor_mem"
     used = series[role][-1]
     w, slope, _t = climbs.get(role) or next(iter(climbs.values()))
+    if role not in climbs:  # the device gauge is noisier: its own slope over the same window
+        ys = series[role][-w:]
+        slope = max(_slope(ys), slope * 0.5) if len(ys) >= 3 else slope
+        ev[keys[role]] = _ev(used, ys[0], cap, per_step_gb=slope, window_steps=len(ys))
     steps_left = max(0.0, (cap - used) / slope)
-    ev.setdefault(keys[role], _ev(used, None, cap))
     ev[keys[role]]["steps_to_capacity"] = _round(steps_left)
     critical = used >= 0.95 * cap or steps_left <= 10
     return Diagnosis("memory_leak", "critical" if critical else "warning",
@@ -506,11 +537,11 @@ def rule_entropy_collapse(ctx: StepContext) -> Diagnosis | None:
     if len(score) >= 4 and score[-1] > score[0]:
         extra.append("reward still rising (possible reward hacking)")
     kl_hist = ctx.history.get("kl")
-    if kl_hist and len(kl_hist) >= 4 and kl_hist[-1] - kl_hist[-2] > kl_hist[-3] - kl_hist[-4] > 0:
-        extra.append("KL accelerating")
-        f = ctx.role_findings.get("kl")
-        if f is not None:
-            ev[f.key] = f.evidence()
+    f_kl = ctx.role_findings.get("kl")
+    if f_kl is not None and kl_hist and len(kl_hist) >= 4 and kl_hist[-1] > kl_hist[-4]:
+        # KL running away with it: the same evidence makes a kl_drift of this step secondary.
+        extra.append("KL rising past its band")
+        ev[f_kl.key] = f_kl.evidence()
     critical = ratio < ENTROPY_CRITICAL_RATIO
     return Diagnosis("entropy_collapse", "critical" if critical else "warning",
                      min(1.0, 0.7 + 0.1 * len(extra) + 0.05 * n),
@@ -741,7 +772,7 @@ def rule_unknown(ctx: StepContext) -> Diagnosis | None:
     strong = set()
     for key, f in ctx.findings.items():
         role = signal_info(key).role
-        if f.score < 2.0 or role in _TREND_ROLES:
+        if f.score < 2.0 or role in _TREND_ROLES or (explained and role == "latency"):
             continue
         strong.add(key)
         n = ctx.streaks.get(f"u:{key}", 0) + 1

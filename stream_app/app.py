@@ -89,9 +89,10 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
     deadletter_topic = app.topic(topics.deadletter, partitions=settings.partitions, **raw)
     sinks = {topics.alerts: alerts_topic, topics.control: control_topic,
              topics.deadletter: deadletter_topic}
+    raw_schema = faust.Schema(key_type=bytes, value_type=bytes, key_serializer="raw",
+                              value_serializer="raw")
     run_table = app.Table("run_state", default=None, partitions=settings.partitions,
-                          key_type=bytes, value_type=bytes, key_serializer="raw",
-                          value_serializer="raw")
+                          schema=raw_schema)
 
     async def send(record: Record) -> None:
         await sinks[record.topic].send(key=record.key, value=record.value,

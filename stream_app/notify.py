@@ -22,8 +22,11 @@ log = logging.getLogger(__name__)
 
 def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, partitions: int,
                      batch: int = 100, within_s: float = 0.2) -> None:
-    sent = app.Table("sent_alerts", default=None, partitions=partitions, key_type=bytes,
-                     value_type=bytes, key_serializer="raw", value_serializer="raw")
+    import faust
+
+    sent = app.Table("sent_alerts", default=None, partitions=partitions,
+                     schema=faust.Schema(key_type=bytes, value_type=bytes, key_serializer="raw",
+                                         value_serializer="raw"))
     svc.extra["delivered"] = 0
     svc.extra["duplicates_skipped"] = 0
 

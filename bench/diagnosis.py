@@ -42,10 +42,10 @@ from typing import Any
 import numpy as np
 
 from detectors.offline import detect_events
-from trainsentry.events import AlertEvent, MetricEvent, RunEvent, dumps
-from trainsentry.simulate import FAULT_LABELS, Scenario, _generate_objects, random_scenario
+from trainsentry.events import AlertEvent, MetricEvent, RunEvent, decode_event, dumps
+from trainsentry.simulate import FAULT_LABELS, Scenario, generate, random_scenario
 
-__all__ = ["HARD_HEALTHY", "RunResult", "build_scenarios", "evaluate", "summarise", "main"]
+__all__ = ["HARD_HEALTHY", "RunResult", "build_scenarios", "sim_events", "evaluate", "summarise", "main"]
 
 #: Variants of healthy runs, cycled: each one a look-alike of some fault.
 HARD_HEALTHY: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -95,6 +95,11 @@ def build_scenarios(seed: int, n: int) -> list[tuple[Scenario, str]]:
     return out
 
 
+def sim_events(sc: Scenario) -> list[MetricEvent | RunEvent]:
+    """The scenario's contract events, decoded as a consumer would (public API only)."""
+    return [decode_event(d) for d in generate(sc)]
+
+
 def _replace(sc: Scenario, **changes: Any) -> Scenario:
     from dataclasses import replace
 
@@ -128,7 +133,7 @@ def evaluate(item: tuple[Scenario, str]) -> RunResult:
     """Generate one scenario, run the engine over it, score the alerts."""
     sc, variant = item
     t0 = time.perf_counter()
-    events = _generate_objects(sc)
+    events = sim_events(sc)
     alerts = [o for o in detect_events(events) if isinstance(o, AlertEvent)]
     firings = _new_firings(alerts)
     faulty = sc.fault is not None
@@ -210,7 +215,7 @@ def check_cli(items: list[tuple[Scenario, str]]) -> list[str]:
     problems: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for sc, _variant in items:
-            events = _generate_objects(sc)
+            events = sim_events(sc)
             path = Path(tmp) / f"{sc.run_id}.jsonl"
             path.write_text("".join(dumps(e.to_dict()).decode() + "\n" for e in events),
                             encoding="utf-8")

@@ -111,6 +111,7 @@ class RunState:
         self.critical_streak = 0
         self.streak_start_step = -1
         self.streak_alert_ids: list[str] = []
+        self.streak_lead: tuple[str, str] | None = None
         self.breaker_fired = False
         self.checkpoints: list[tuple[int, float]] = []
         self.critical_steps: deque[int] = deque(maxlen=500)
@@ -447,8 +448,18 @@ class Engine:
     # ----------------------------------------------------------------- circuit breaker
     def _breaker(self, state: RunState, step: int, ts: float, primary: list[Diagnosis],
                  emitted: list[Output]) -> list[Output]:
+        """Count consecutive steps with a critical alert firing; act at the threshold.
+
+        A critical alert stays firing until it has been clear for ``resolve_after_steps``,
+        so a fault that recurs every other step (verl skips NaN updates, then hits the
+        next NaN) keeps the streak going, while one that really clears resets it.
+        """
         critical = [d for d in primary if d.severity == "critical"]
-        if not critical:
+        if critical:
+            lead_d = critical[0]
+            state.streak_lead = (lead_d.label, lead_d.critical_reason or lead_d.summary)
+        active = [st for st in state.alerts.values() if st.severity == "critical"]
+        if not critical and not active:
             state.critical_streak = 0
             state.streak_alert_ids = []
             return []
@@ -457,22 +468,19 @@ class Engine:
         state.critical_streak += 1
         state.critical_steps.append(step)
         for a in emitted:
-            if isinstance(a, AlertEvent) and a.severity == "critical":
+            if isinstance(a, AlertEvent) and a.severity == "critical" and a.status == "firing":
                 state.streak_alert_ids.append(a.id)
-        for d in critical:
-            fp = _fingerprint(state.run_id, d.label, d.rank if d.label == "straggler" else None)
-            st = state.alerts.get(fp)
-            if st and st.last_alert_id and st.last_alert_id not in state.streak_alert_ids:
+        for st in active:
+            if st.last_alert_id and st.last_alert_id not in state.streak_alert_ids:
                 state.streak_alert_ids.append(st.last_alert_id)
         if state.critical_streak < self.config.breaker_threshold or state.breaker_fired:
             return []
-        lead = critical[0]
-        action = self.config.action_for(lead.label)
+        label, why = state.streak_lead or (active[0].label, "critical alert firing")
+        action = self.config.action_for(label)
         if action == "alert":
             return []
         state.breaker_fired = True
-        reason = (f"{state.critical_streak} consecutive critical alerts: {lead.label}"
-                  f" ({lead.critical_reason or lead.summary})")
+        reason = f"{state.critical_streak} consecutive critical alerts: {label} ({why})"
         to_step = None
         if action == "rollback":
             to_step = self.rollback_target(state)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from detectors._stats import EWStats, finite, safe_ratio
+from math import isfinite, sqrt
+
+from detectors._stats import SCORE_CAP
 from detectors.base import Detector
 
 __all__ = ["EWMA"]
@@ -23,7 +25,9 @@ class EWMA(Detector):
       on signals whose level wanders too much for a level band.
     - ``min_samples``: values to see before scoring (score 0 until then).
 
-    Score above 1: outside the ``k``-std band. O(1) time and memory.
+    Score above 1: outside the ``k``-std band. O(1) time and memory. The hot path is
+    written out by hand (no helper calls, no properties): this runs once per value per
+    signal in the stream engine.
 
     >>> d = EWMA(alpha=0.1)
     >>> for x in [1.0, 1.1, 0.9, 1.0] * 10:
@@ -50,55 +54,80 @@ class EWMA(Detector):
         self.smooth = smooth
         self.diff = diff
         self.min_samples = min_samples
+        self._sa = 2.0 / (smooth + 1) if smooth > 1 else 0.0  # weight of the input smoother
+        self._va = var_alpha if var_alpha is not None else alpha
         self._prev: float | None = None  # last raw value (for diff)
         self._smoothed: float | None = None  # EWMA of span `smooth` of the input
         self._level: float | None = None
         self._trend = 0.0
         self._n = 0
-        self._resid = EWStats(var_alpha if var_alpha is not None else alpha)
-
-    def _input(self, x: float) -> float | None:
-        """The value the model sees for raw ``x`` (differenced, smoothed), or None."""
-        if self.diff:
-            if self._prev is None:
-                return None
-            x = x - self._prev
-        if self.smooth > 1 and self._smoothed is not None:
-            x = self._smoothed + 2.0 / (self.smooth + 1) * (x - self._smoothed)
-        return x
-
-    def _forecast(self) -> float:
-        assert self._level is not None
-        return self._level + self._trend
+        # Exponentially weighted mean / variance of past residuals (West's update).
+        self._rmean = 0.0
+        self._rvar = 0.0
+        self._rstd = 0.0
+        self._rn = 0
 
     def score_one(self, x: float) -> float:
-        if not finite(x) or self._level is None or self._n < self.min_samples:
+        level = self._level
+        if level is None or self._n < self.min_samples:
             return 0.0
-        y = self._input(x)
-        if y is None:
+        try:
+            if not isfinite(x):
+                return 0.0
+        except TypeError:
             return 0.0
-        resid = abs(y - self._forecast())
-        return safe_ratio(resid, self.k * self._resid.std, self._level)
+        if self.diff:
+            x = x - self._prev  # type: ignore[operator]  # set once level is
+        if self._sa:
+            sm = self._smoothed
+            if sm is not None:
+                x = sm + self._sa * (x - sm)
+        resid = abs(x - level - self._trend)
+        if resid == 0.0:
+            return 0.0
+        den = self.k * self._rstd
+        floor = 1e-12 * (abs(level) if abs(level) > 1.0 else 1.0)
+        ratio = resid / (den if den > floor else floor)
+        return ratio if ratio < SCORE_CAP else SCORE_CAP
 
     def learn_one(self, x: float) -> None:
-        if not finite(x):
+        try:
+            if not isfinite(x):
+                return
+        except TypeError:
             return
-        y = self._input(x)
-        self._prev = x
-        if y is None:
-            return
-        if self.smooth > 1:
+        y = x
+        if self.diff:
+            prev = self._prev
+            self._prev = x
+            if prev is None:
+                return
+            y = x - prev
+        if self._sa:
+            sm = self._smoothed
+            if sm is not None:
+                y = sm + self._sa * (y - sm)
             self._smoothed = y
-        if self._level is None:
+        level = self._level
+        if level is None:
             self._level = y
             self._n = 1
             return
-        self._n += 1
+        n = self._n = self._n + 1
         # A fast start (1/n) until the smoothing weight takes over, as in EWStats.
-        a = max(self.alpha, 1.0 / self._n)
-        resid = y - self._forecast()
-        self._resid.update(resid)
-        new_level = self._forecast() + a * resid
+        a = self.alpha if self.alpha * n > 1.0 else 1.0 / n
+        forecast = level + self._trend
+        resid = y - forecast
+        rn = self._rn = self._rn + 1
+        ra = self._va if self._va * rn > 1.0 else 1.0 / rn
+        d = resid - self._rmean
+        rmean = self._rmean + ra * d
+        rvar = (1.0 - ra) * (self._rvar + ra * d * d)
+        if not (isfinite(rmean) and isfinite(rvar)):
+            # 1e300-scale input overflows the square; keep a usable, huge spread.
+            rmean, rvar = resid, 1e300
+        self._rmean, self._rvar, self._rstd = rmean, rvar, sqrt(rvar)
+        new_level = forecast + a * resid
         if self.beta > 0:
-            self._trend += self.beta * (new_level - self._level - self._trend)
+            self._trend += self.beta * (new_level - level - self._trend)
         self._level = new_level

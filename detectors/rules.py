@@ -763,10 +763,14 @@ def rule_unknown(ctx: StepContext) -> Diagnosis | None:
     n_lat = ctx.bump("unknown_latency", stuck)
     if stuck and n_lat >= 2:
         f = ctx.role_findings["latency"]
+        fwd = _ratio(ctx, "forward_time")
+        hint = (f"; forward time is up too ({fwd:.1f}x): the model itself is slower"
+                if fwd is not None and fwd > FORWARD_UP_RATIO else "")
         return Diagnosis("unknown", "critical", 0.5,
                          f"{f.key} {f.value:.3g}s, {f.value / max(f.baseline, 1e-9):.1f}x its baseline "
-                         f"for {n_lat} steps, with no input-pipeline, straggler or compute pattern: "
-                         "generation may be stuck", {f.key: f.evidence()},
+                         f"for {n_lat} steps and no known pattern explains it (not the input "
+                         f"pipeline, a straggler or longer responses): generation may be stuck{hint}",
+                         {f.key: f.evidence()},
                          critical_reason="rollout latency anomalous and above 5 s")
     sustained = []
     strong = set()

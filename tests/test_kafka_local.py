@@ -194,6 +194,14 @@ def _partitions(address: str, names: list[str]) -> dict[str, int]:
         admin.close()
 
 
+def _wait_visible(admin: Any, names: list[str]) -> None:
+    """New topics reach the broker's metadata a moment after CreateTopics returns (KRaft)."""
+    deadline = time.monotonic() + 20
+    while not set(names) <= set(admin.list_topics()):
+        assert time.monotonic() < deadline, f"{names} never appeared"
+        time.sleep(0.1)
+
+
 @pytest.mark.kafka
 @pytest.mark.slow
 def test_start_returns_loopback_address_that_accepts_clients(broker: dict[str, Any]) -> None:
@@ -245,6 +253,7 @@ def test_missing_metrics_topic_follows_existing_partition_count(broker: dict[str
     topics = Topics(_prefix())
     admin = KafkaAdminClient(bootstrap_servers=broker["address"])
     admin.create_topics([NewTopic(topics.data, 5, 1)])
+    _wait_visible(admin, [topics.data])
     admin.close()
     create_topics(bootstrap=broker["address"], topics=topics, partitions=2)
     counts = _partitions(broker["address"], topics.all())
@@ -262,6 +271,7 @@ def test_mismatched_metrics_partitions_raise_config_error(broker: dict[str, Any]
     topics = Topics(_prefix())
     admin = KafkaAdminClient(bootstrap_servers=broker["address"])
     admin.create_topics([NewTopic(topics.data, 2, 1), NewTopic(topics.compute, 3, 1)])
+    _wait_visible(admin, [topics.data, topics.compute])
     admin.close()
     with pytest.raises(ConfigError, match="co-partitioning"):
         create_topics(bootstrap=broker["address"], topics=topics, partitions=2)
@@ -359,6 +369,7 @@ async def produce():
 async def check():
     if counts["k0"] + counts["k1"] >= expect:
         print("FAUST_OK", dict(counts.items()), flush=True)
+        await app.stop()  # leaves the group, so the next worker need not wait out our session
         os._exit(0)
 
 if __name__ == "__main__":

@@ -7,12 +7,13 @@ from typing import Any
 
 import pytest
 
+from bench.diagnosis import sim_events
 from detectors.engine import Engine
 from detectors.knowledge import KNOWLEDGE
 from detectors.offline import detect_events
 from detectors.rules import Diagnosis, expected_lr, parse_milestones
 from trainsentry.events import AlertEvent, MetricEvent
-from trainsentry.simulate import FAULT_LABELS, Scenario, _generate_objects, scheduled_lr
+from trainsentry.simulate import FAULT_LABELS, Scenario, scheduled_lr
 
 ONSET = 60
 
@@ -26,7 +27,7 @@ def scenario(fault: str | None = None, **kw: Any) -> Scenario:
 
 
 def firing(sc: Scenario) -> list[AlertEvent]:
-    return [a for a in detect_events(_generate_objects(sc))
+    return [a for a in detect_events(sim_events(sc))
             if isinstance(a, AlertEvent) and a.status == "firing"]
 
 

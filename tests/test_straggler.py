@@ -6,15 +6,16 @@ import random
 
 import pytest
 
+from bench.diagnosis import sim_events
 from detectors.engine import Engine
 from detectors.offline import detect_events
 from detectors.rules import peer_outlier
 from trainsentry.events import AlertEvent, MetricEvent
-from trainsentry.simulate import Scenario, _generate_objects
+from trainsentry.simulate import Scenario
 
 
 def _alerts(sc: Scenario) -> list[AlertEvent]:
-    return [a for a in detect_events(_generate_objects(sc))
+    return [a for a in detect_events(sim_events(sc))
             if isinstance(a, AlertEvent) and a.status == "firing"]
 
 

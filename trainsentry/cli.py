@@ -136,6 +136,10 @@ def _setup_logging(level: str, as_json: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    if root.level > logging.DEBUG:
+        # Client libraries narrate every connection at INFO; keep their warnings only.
+        for noisy in ("kafka", "aiokafka", "faust", "mode", "httpx", "aiohttp.access"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -121,14 +121,14 @@ def run_demo(*, fault: str = "nan_loss", steps: int = 80, port: int = 9092,
         scenario = Scenario(run_id=run_id, steps=steps, fault=fault, fault_onset=onset, ranks=4,
                             step_time_s=20.0, seed=7, test_freq=25, save_freq=10)
         events = generate(scenario)
-        _say(f"simulating run {run_id}: {steps} steps of a verl GRPO run, 4 ranks, "
+        _say(f"simulating run {run_id}: {steps} steps of a verl GRPO run (0.2 s per step), 4 ranks, "
              f"fault {fault} injected at step {onset}")
         sender = make_sender(bootstrap, prefix)
 
         def send_now(kind: str, event: Mapping[str, Any]) -> None:
             sender(kind, {**event, "ts": time.time()})  # replay at wall-clock time
 
-        publish(events, send=send_now, speed=400.0)
+        publish(events, send=send_now, speed=100.0)  # 20 s steps in 0.2 s
         sender.close()  # type: ignore[attr-defined]
         _say("run published; waiting for the diagnosis, the chat messages and the command")
         deadline = time.monotonic() + timeout

@@ -291,15 +291,17 @@ class WindowedGaussian:
         return out
 
 
-def _run_detector(args: tuple[str, list[list[float]]]) -> tuple[str, list[np.ndarray], float]:
+def _run_detector(args: tuple[str, list[tuple[list[float], list[str]]]]
+                  ) -> tuple[str, list[np.ndarray], float]:
     name, series = args
     start = time.perf_counter()
     if name == "nab_windowed_gaussian":
-        out = [np.asarray(WindowedGaussian().run(v)) for v in series]
+        out = [np.asarray(WindowedGaussian().run(v)) for v, _ in series]
     else:
         from detectors.score import score_series
 
-        out = [np.asarray(score_series(v, detector=name)) for v in series]
+        # Timestamps give the daily period (values per day), as in `trainsentry score`.
+        out = [np.asarray(score_series(v, detector=name, timestamps=t)) for v, t in series]
     return name, out, time.perf_counter() - start
 
 
@@ -336,7 +338,7 @@ def evaluate(files: Sequence[NabFile], scores: Sequence[np.ndarray], name: str,
 def benchmark(names: Sequence[str], root: Path = DEFAULT_ROOT, workers: int = 2) -> list[Row]:
     """Score every named detector (plus ``nab_windowed_gaussian``) on the corpus."""
     files = load_corpus(root)
-    series = [f.values for f in files]
+    series = [(f.values, f.timestamps) for f in files]
     rows: list[Row] = []
     with ProcessPoolExecutor(max_workers=workers) as pool:
         for name, scores, secs in pool.map(_run_detector, [(n, series) for n in names]):

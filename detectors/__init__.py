@@ -14,6 +14,7 @@ from detectors.ewma import EWMA
 from detectors.nonfinite import NonFinite
 from detectors.river_models import HalfSpaceTrees
 from detectors.robust import RobustZScore
+from detectors.seasonal import Seasonal
 from detectors.slope import Slope
 from detectors.variance import VarianceChange
 
@@ -27,6 +28,7 @@ __all__ = [
     "NonFinite",
     "PageHinkley",
     "RobustZScore",
+    "Seasonal",
     "Slope",
     "VarianceChange",
 ]

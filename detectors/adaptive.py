@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from math import isfinite, sqrt
 
 from detectors.base import Detector
 
@@ -39,6 +40,7 @@ class AdaptiveThreshold(Detector):
         self.window = window
         self.k = k
         self.nonnegative = nonnegative
+        self._min = max(1, window // 2)  # insufficient data until half a window
         self._values: deque[float] = deque(maxlen=window)
         self._sum = 0.0
         self._sumsq = 0.0
@@ -54,19 +56,23 @@ class AdaptiveThreshold(Detector):
         return len(self._values)
 
     def learn_one(self, x: float) -> None:
-        if not math.isfinite(x):
+        try:
+            if not isfinite(x):
+                return
+        except TypeError:
             return
-        if len(self._values) == self.window:
-            old = self._values[0]
+        values = self._values
+        if len(values) == self.window:
+            old = values[0]
             self._sum -= old
             self._sumsq -= old * old
-        self._values.append(x)
+        values.append(x)
         self._sum += x
         self._sumsq += x * x
         self._since_exact += 1
         if self._since_exact >= self.window:
-            self._sum = math.fsum(self._values)
-            self._sumsq = math.fsum(v * v for v in self._values)
+            self._sum = math.fsum(values)
+            self._sumsq = math.fsum(v * v for v in values)
             self._since_exact = 0
 
     def mean(self) -> float:
@@ -89,15 +95,30 @@ class AdaptiveThreshold(Detector):
         return lower, mean + spread
 
     def score_one(self, x: float) -> float:
-        if not math.isfinite(x) or not self.ready:
+        values = self._values
+        n = len(values)
+        if n < self._min:
             return 0.0
-        mean = self.mean()
-        spread = self.k * self.std()
-        lower, upper = self.bounds()
-        if lower <= x <= upper:
-            return abs(x - mean) / spread if spread > 0 else 0.0
-        floor = 1e-12 * max(1.0, abs(mean))
-        return min(_SCORE_CAP, abs(x - mean) / max(spread, floor)) if spread > 0 or x != mean else 0.0
+        try:
+            if not isfinite(x):
+                return 0.0
+        except TypeError:
+            return 0.0
+        mean = self._sum / n
+        var = self._sumsq / n - mean * mean
+        spread = self.k * sqrt(var) if var > 0.0 else 0.0
+        dev = abs(x - mean)
+        if spread > 0.0:
+            lower = mean - spread
+            if self.nonnegative and lower < 0.0:
+                lower = 0.0
+            if lower <= x <= mean + spread:
+                return dev / spread
+        elif x == mean:
+            return 0.0
+        floor = 1e-12 * (abs(mean) if abs(mean) > 1.0 else 1.0)
+        ratio = dev / (spread if spread > floor else floor)
+        return ratio if ratio < _SCORE_CAP else _SCORE_CAP
 
     def is_anomaly(self, x: float) -> bool:
         """Outside the band, with enough data (the baseline's decision rule)."""

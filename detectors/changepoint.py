@@ -2,20 +2,48 @@
 
 from __future__ import annotations
 
-from detectors._stats import SCORE_CAP, EWStats, finite
+from math import isfinite, sqrt
+
+from detectors._stats import SCORE_CAP
 from detectors.base import Detector
 
 __all__ = ["CUSUM", "PageHinkley"]
 
 
-def _standardise(ref: EWStats, x: float) -> float:
-    std = ref.std
-    if std <= 1e-12 * max(1.0, abs(ref.mean)):
-        return 0.0 if x == ref.mean else (SCORE_CAP if x > ref.mean else -SCORE_CAP)
-    return max(-SCORE_CAP, min(SCORE_CAP, (x - ref.mean) / std))
+class _Reference(Detector):
+    """A slowly adapting EW mean / std that values are standardised against (shared code)."""
+
+    alpha: float
+    min_samples: int
+
+    def _init_reference(self) -> None:
+        self._n = 0
+        self._mean = 0.0
+        self._var = 0.0
+        self._std = 0.0
+
+    def _z(self, x: float) -> float:
+        mean, std = self._mean, self._std
+        am = abs(mean)
+        if std <= 1e-12 * (am if am > 1.0 else 1.0):
+            return 0.0 if x == mean else (SCORE_CAP if x > mean else -SCORE_CAP)
+        z = (x - mean) / std
+        return SCORE_CAP if z > SCORE_CAP else (-SCORE_CAP if z < -SCORE_CAP else z)
+
+    def _update_reference(self, x: float) -> None:
+        n = self._n = self._n + 1
+        a = 1.0 / n
+        if a < self.alpha:
+            a = self.alpha
+        d = x - self._mean
+        mean = self._mean + a * d
+        var = (1.0 - a) * (self._var + a * d * d)
+        if not (isfinite(mean) and isfinite(var)):
+            mean, var = x, 1e300  # 1e300-scale input overflows the square
+        self._mean, self._var, self._std = mean, var, sqrt(var)
 
 
-class CUSUM(Detector):
+class CUSUM(_Reference):
     """Two-sided CUSUM of standardised values against a slowly adapting reference.
 
     Each value is standardised by a long EW mean and std (weight ``alpha``); the upper sum
@@ -47,30 +75,45 @@ class CUSUM(Detector):
         self.drift = drift
         self.h = h
         self.min_samples = min_samples
-        self._ref = EWStats(alpha)
+        self._init_reference()
         self._pos = 0.0
         self._neg = 0.0
 
-    def _sums(self, x: float) -> tuple[float, float]:
-        z = _standardise(self._ref, x)
-        return max(0.0, self._pos + z - self.drift), max(0.0, self._neg - z - self.drift)
-
     def score_one(self, x: float) -> float:
-        if not finite(x) or self._ref.n < self.min_samples:
+        if self._n < self.min_samples:
             return 0.0
-        return min(SCORE_CAP, max(self._sums(x)) / self.h)
+        try:
+            if not isfinite(x):
+                return 0.0
+        except TypeError:
+            return 0.0
+        z = self._z(x)
+        pos = self._pos + z - self.drift
+        neg = self._neg - z - self.drift
+        top = pos if pos > neg else neg
+        if top <= 0.0:
+            return 0.0
+        score = top / self.h
+        return score if score < SCORE_CAP else SCORE_CAP
 
     def learn_one(self, x: float) -> None:
-        if not finite(x):
+        try:
+            if not isfinite(x):
+                return
+        except TypeError:
             return
-        if self._ref.n >= self.min_samples:
-            self._pos, self._neg = self._sums(x)
-            if max(self._pos, self._neg) > self.h:
-                self._pos = self._neg = 0.0
-        self._ref.update(x)
+        if self._n >= self.min_samples:
+            z = self._z(x)
+            pos = self._pos + z - self.drift
+            neg = self._neg - z - self.drift
+            if pos > self.h or neg > self.h:
+                pos = neg = 0.0
+            self._pos = pos if pos > 0.0 else 0.0
+            self._neg = neg if neg > 0.0 else 0.0
+        self._update_reference(x)
 
 
-class PageHinkley(Detector):
+class PageHinkley(_Reference):
     """Page-Hinkley test for a sustained rise (or fall) of the mean: slow creeps.
 
     ``m_t = sum(x_i - mean_i - delta)`` (``mean_i`` the running mean, ``delta`` the
@@ -79,6 +122,9 @@ class PageHinkley(Detector):
     the larger of both. The score is that statistic over ``threshold`` stds; it restarts
     after a detection. Memory leaks and KL runaways show up here before any single value
     leaves the band.
+
+    Only the distances to the extremes are stored (``m - min(m)`` and ``max(m) - m``),
+    so the sums stay bounded forever.
     """
 
     def __init__(self, delta: float = 0.005, threshold: float = 50.0, direction: str = "both",
@@ -92,40 +138,43 @@ class PageHinkley(Detector):
         self.direction = direction
         self.alpha = alpha
         self.min_samples = min_samples
-        self._ref = EWStats(alpha)
-        self._cum_up = 0.0
-        self._min_up = 0.0
-        self._cum_down = 0.0
-        self._max_down = 0.0
+        self._init_reference()
+        self._up = 0.0  # m - min(m) >= 0
+        self._down = 0.0  # max(m) - m >= 0 (of the sum with +delta)
 
-    def _stats(self, x: float) -> tuple[float, float, float, float]:
-        z = _standardise(self._ref, x)
-        up = self._cum_up + z - self.delta
-        down = self._cum_down + z + self.delta
-        return up, min(self._min_up, up), down, max(self._max_down, down)
-
-    def _statistic(self, x: float) -> float:
-        up, min_up, down, max_down = self._stats(x)
-        if self.direction == "up":
-            return up - min_up
-        if self.direction == "down":
-            return max_down - down
-        return max(up - min_up, max_down - down)
+    def _statistics(self, x: float) -> tuple[float, float]:
+        z = self._z(x)
+        up = self._up + z - self.delta
+        down = self._down - z - self.delta
+        return (up if up > 0.0 else 0.0), (down if down > 0.0 else 0.0)
 
     def score_one(self, x: float) -> float:
-        if not finite(x) or self._ref.n < self.min_samples:
+        if self._n < self.min_samples:
             return 0.0
-        return min(SCORE_CAP, self._statistic(x) / self.threshold)
+        try:
+            if not isfinite(x):
+                return 0.0
+        except TypeError:
+            return 0.0
+        up, down = self._statistics(x)
+        direction = self.direction
+        stat = up if direction == "up" else down if direction == "down" else (
+            up if up > down else down)
+        score = stat / self.threshold
+        return score if score < SCORE_CAP else SCORE_CAP
 
     def learn_one(self, x: float) -> None:
-        if not finite(x):
+        try:
+            if not isfinite(x):
+                return
+        except TypeError:
             return
-        if self._ref.n >= self.min_samples:
-            stat = self._statistic(x)
-            self._cum_up, self._min_up, self._cum_down, self._max_down = self._stats(x)
+        if self._n >= self.min_samples:
+            up, down = self._statistics(x)
+            direction = self.direction
+            stat = up if direction == "up" else down if direction == "down" else (
+                up if up > down else down)
             if stat > self.threshold:
-                self._cum_up = self._min_up = self._cum_down = self._max_down = 0.0
-            # Keep only the distance to the extremes, so the sums stay bounded forever.
-            self._cum_up, self._min_up = self._cum_up - self._min_up, 0.0
-            self._cum_down, self._max_down = self._cum_down - self._max_down, 0.0
-        self._ref.update(x)
+                up = down = 0.0
+            self._up, self._down = up, down
+        self._update_reference(x)

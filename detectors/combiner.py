@@ -6,8 +6,9 @@ import copy
 import math
 from collections import deque
 from collections.abc import Sequence
+from math import isfinite
+from typing import Any
 
-from detectors._stats import finite
 from detectors.base import Detector
 
 __all__ = ["Combiner"]
@@ -32,8 +33,10 @@ class Combiner(Detector):
     Nothing is scored until ``warmup`` values have been learned (the records need a
     history), and a sub-detector contributes only once it has a record (> 0): after a
     constant stretch, the first change only sets the scale. The sub-detectors' own raw
-    scores (``k``-std units) remain the tool for absolute checks. ``score_one`` is pure: ``learn_one`` re-scores the value before folding it
-    into the sub-detectors.
+    scores (``k``-std units) remain the tool for absolute checks. ``score_one`` is pure:
+    ``learn_one`` re-scores the value before folding it
+    into the sub-detectors, unless ``score_one`` just scored the same value (the usual
+    score-then-learn loop): then its sub-scores are reused, kept outside the pickled state.
 
     >>> from detectors.ewma import EWMA
     >>> c = Combiner([EWMA(alpha=0.05)], warmup=20, refractory=0)
@@ -56,61 +59,89 @@ class Combiner(Detector):
         self.decay = decay
         self.warmup = warmup
         self.refractory = refractory
+        self._w = self.weights if self.weights is not None else (1.0,) * len(self.detectors)
         self._records = [0.0] * len(self.detectors)
         self._n = 0
         self._recent: deque[tuple[int, float]] = deque()  # decreasing scores, for the max
+        # (n, x, raw scores, combined score) of the last score_one, so that learn_one of
+        # the same value does not score every sub-detector again. Not state: it is left
+        # out of the pickle and only used while n (the number learned) is unchanged.
+        self._last: tuple[int, float, list[float], float] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_last"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._last = None
 
     def clone(self) -> Combiner:
         """A fresh combiner over fresh clones of the sub-detectors."""
         return Combiner([d.clone() for d in self.detectors], weights=copy.copy(self.weights),
                         decay=self.decay, warmup=self.warmup, refractory=self.refractory)
 
-    def _raw_scores(self, x: float) -> list[float]:
-        return [d.score_one(x) for d in self.detectors]
-
     def _combined(self, raws: Sequence[float]) -> float:
         """The calibrated score before the refractory rule."""
         if self._n < self.warmup:
             return 0.0
         best = 0.0
-        for i, (raw, record) in enumerate(zip(raws, self._records, strict=True)):
+        for raw, record, weight in zip(raws, self._records, self._w, strict=True):
             # A sub-detector without a record yet (still warming up, or a signal that has
             # been constant) has no scale: its first positive score sets the record
             # instead of alarming (tried the other way on NAB: more false alarms).
             if raw > 0.0 and record > 0.0:
-                best = max(best, raw / record * (self.weights[i] if self.weights else 1.0))
-        return best / (1.0 + best) if math.isfinite(best) else 1.0
+                ratio = raw / record * weight
+                if ratio > best:
+                    best = ratio
+        return best / (1.0 + best) if best < math.inf else 1.0
 
-    def _recent_max(self) -> float:
-        horizon = self._n - self.refractory
-        for idx, score in self._recent:
-            if idx >= horizon:
-                return score
-        return -1.0
+    def _scores(self, x: float) -> tuple[list[float], float]:
+        last = self._last
+        if last is not None and last[0] == self._n and last[1] == x:
+            return last[2], last[3]
+        raws = [d.score_one(x) for d in self.detectors]
+        return raws, self._combined(raws)
 
     def score_one(self, x: float) -> float:
-        if not finite(x):
+        try:
+            if not isfinite(x):
+                return 0.0
+        except TypeError:
             return 0.0
-        score = self._combined(self._raw_scores(x))
-        if self.refractory > 0 and score <= self._recent_max():
-            return 0.0
+        raws, score = self._scores(x)
+        self._last = (self._n, x, raws, score)
+        if self.refractory > 0 and self._recent:
+            horizon = self._n - self.refractory
+            for idx, recent in self._recent:  # decreasing: the first in range is the max
+                if idx >= horizon:
+                    if score <= recent:
+                        return 0.0
+                    break
         return score
 
     def learn_one(self, x: float) -> None:
-        if not finite(x):
+        try:
+            if not isfinite(x):
+                return
+        except TypeError:
             return
-        raws = self._raw_scores(x)
+        raws, score = self._scores(x)
+        self._last = None
+        n = self._n
         if self.refractory > 0:
-            score = self._combined(raws)
             recent = self._recent
-            while recent and recent[0][0] <= self._n - self.refractory:
+            horizon = n - self.refractory
+            while recent and recent[0][0] <= horizon:
                 recent.popleft()
             while recent and recent[-1][1] <= score:
                 recent.pop()
-            recent.append((self._n, score))
-        if self._n >= self.warmup:
-            self._records = [max(rec * self.decay, raw) for rec, raw in
-                             zip(self._records, raws, strict=True)]
+            recent.append((n, score))
+        if n >= self.warmup:
+            decay = self.decay
+            self._records = [r if r > m * decay else m * decay
+                             for m, r in zip(self._records, raws, strict=True)]
         for d in self.detectors:
             d.learn_one(x)
-        self._n += 1
+        self._n = n + 1

@@ -45,6 +45,8 @@ REMEDIATION_DEFAULTS: dict[str, str] = {
     "dataloader_stall": "alert",
     "comm_degradation": "alert",
     "straggler": "alert",
+    "lr_drift": "alert",
+    "gradient_instability": "alert",
     "unknown": "stop",
 }
 

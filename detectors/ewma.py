@@ -115,11 +115,15 @@ class EWMA(Detector):
             return
         n = self._n = self._n + 1
         # A fast start (1/n) until the smoothing weight takes over, as in EWStats.
-        a = self.alpha if self.alpha * n > 1.0 else 1.0 / n
+        a = 1.0 / n
+        if a < self.alpha:
+            a = self.alpha
         forecast = level + self._trend
         resid = y - forecast
         rn = self._rn = self._rn + 1
-        ra = self._va if self._va * rn > 1.0 else 1.0 / rn
+        ra = 1.0 / rn
+        if ra < self._va:
+            ra = self._va
         d = resid - self._rmean
         rmean = self._rmean + ra * d
         rvar = (1.0 - ra) * (self._rvar + ra * d * d)

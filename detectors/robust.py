@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import bisect
+import math
+from bisect import bisect_left, insort
 from collections import deque
+from math import isfinite
 
-from detectors._stats import finite, safe_ratio
+from detectors._stats import SCORE_CAP
 from detectors.base import Detector
 
 __all__ = ["RobustZScore"]
@@ -20,8 +23,9 @@ class RobustZScore(Detector):
     the band for a whole window); the median and the median absolute deviation are not.
     The window is kept twice: in arrival order (to expire the oldest) and sorted (bisect:
     O(log W) comparisons plus a memmove that costs ~100 ns at W ≤ 10⁴), so the median
-    is O(1). The MAD is recomputed from the sorted window every ``refresh`` updates
-    (default ``window // 8``), O(log W) amortised; between refreshes it is at most that stale,
+    is O(1). The MAD is recomputed every ``refresh`` updates (default ``window // 8``)
+    by a bisection over the sorted window (O(log W), no sort); between refreshes it is
+    at most that stale,
     which a robust scale tolerates by design. Until ``min_samples`` (default
     ``window // 2``) values are seen the score is 0 (insufficient data, as the baseline).
 
@@ -46,9 +50,12 @@ class RobustZScore(Detector):
         self.k = k
         self.refresh = refresh
         self.min_samples = min_samples
+        self._refresh = refresh if refresh is not None else max(1, window // 8)
+        self._min = max(1, min_samples if min_samples is not None else window // 2)
         self._fifo: deque[float] = deque()
         self._sorted: list[float] = []
         self._mad = 0.0
+        self._band = 0.0  # k * 1.4826 * MAD, the denominator of the score
         self._since_mad = 0
 
     def median(self) -> float:
@@ -59,33 +66,79 @@ class RobustZScore(Detector):
         return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
 
     def _compute_mad(self) -> float:
+        """The median of ``|v - median|``, by selection in the sorted window: O(log W).
+
+        The deviations of the values below the median, read from the median outwards,
+        and those of the values above it are two sorted runs; the middle of their union
+        is found by bisection instead of sorting W deviations.
+        """
+        s = self._sorted
+        n = len(s)
+        if n == 0:
+            return 0.0
         med = self.median()
-        dev = sorted(abs(v - med) for v in self._sorted)
-        n = len(dev)
-        mad = dev[n // 2] if n % 2 else 0.5 * (dev[n // 2 - 1] + dev[n // 2])
-        if mad == 0.0 and n:
-            mad = sum(dev) / n / _MAD_TO_STD  # mean abs deviation, in MAD units
+        p = bisect.bisect_left(s, med)  # s[:p] < med <= s[p:]
+        na, nb = p, n - p
+
+        def kth(k: int) -> float:
+            # k-th smallest (0-based) of A[i] = med - s[p-1-i] and B[j] = s[p+j] - med.
+            lo, hi = max(0, k + 1 - nb), min(k + 1, na)
+            while lo < hi:  # the number i taken from A: smallest with A[i] >= B[k-i]
+                i = (lo + hi) // 2
+                if med - s[p - 1 - i] < s[p + k - i] - med:
+                    lo = i + 1
+                else:
+                    hi = i
+            i, j = lo, k + 1 - lo
+            a = med - s[p - i] if i > 0 else -1.0
+            b = s[p + j - 1] - med if j > 0 else -1.0
+            return a if a > b else b
+
+        mid = n // 2
+        mad = kth(mid) if n % 2 else 0.5 * (kth(mid - 1) + kth(mid))
+        if mad == 0.0:
+            # More than half the window identical: the mean absolute deviation from the
+            # median stands in (in MAD units), O(W) but only while the MAD is 0.
+            total = (math.fsum(s[p:]) - nb * med) + (na * med - math.fsum(s[:p]))
+            mad = total / n / _MAD_TO_STD
         return mad
 
     def score_one(self, x: float) -> float:
-        min_samples = self.min_samples if self.min_samples is not None else self.window // 2
-        if not finite(x) or len(self._sorted) < max(1, min_samples):
+        s = self._sorted
+        n = len(s)
+        if n < self._min:
             return 0.0
-        med = self.median()
-        return safe_ratio(abs(x - med), self.k * _MAD_TO_STD * self._mad, med)
+        try:
+            if not isfinite(x):
+                return 0.0
+        except TypeError:
+            return 0.0
+        mid = n // 2
+        med = s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+        dev = abs(x - med)
+        if dev == 0.0:
+            return 0.0
+        floor = 1e-12 * (abs(med) if abs(med) > 1.0 else 1.0)
+        band = self._band
+        ratio = dev / (band if band > floor else floor)
+        return ratio if ratio < SCORE_CAP else SCORE_CAP
 
     def learn_one(self, x: float) -> None:
-        if not finite(x):
+        try:
+            if not isfinite(x):
+                return
+        except TypeError:
             return
-        if len(self._fifo) == self.window:
-            old = self._fifo.popleft()
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-        self._fifo.append(x)
-        bisect.insort(self._sorted, x)
+        fifo, s = self._fifo, self._sorted
+        if len(fifo) == self.window:
+            del s[bisect_left(s, fifo.popleft())]
+        fifo.append(x)
+        insort(s, x)
         self._since_mad += 1
-        refresh = self.refresh if self.refresh is not None else max(1, self.window // 8)
         # Every n/8 values while the window fills (so early scores are sane), then every
-        # `refresh` values: O(n log n) work every n/8 values is O(log W) amortised.
-        if self._since_mad >= min(refresh, max(1, len(self._fifo) // 8)):
-            self._mad = self._compute_mad()
+        # `refresh` values.
+        n8 = len(s) >> 3
+        if self._since_mad >= (self._refresh if self._refresh < n8 else (n8 if n8 > 1 else 1)):
+            self._mad = mad = self._compute_mad()
+            self._band = self.k * _MAD_TO_STD * mad
             self._since_mad = 0

@@ -13,7 +13,8 @@ import argparse
 import csv
 import math
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -23,26 +24,55 @@ from detectors.changepoint import CUSUM, PageHinkley
 from detectors.combiner import Combiner
 from detectors.ewma import EWMA
 from detectors.robust import RobustZScore
+from detectors.seasonal import Seasonal
 from detectors.slope import Slope
 from detectors.variance import VarianceChange
 from trainsentry.errors import TrainsentryError
 
-__all__ = ["DETECTORS", "ScoreError", "add_cli", "best", "read_nab_csv", "score_series"]
+__all__ = ["DETECTORS", "ScoreError", "add_cli", "best", "read_nab_csv", "score_series",
+           "values_per_day"]
 
 
 class ScoreError(TrainsentryError):
     """A series file or a detector name given to ``trainsentry score`` is not usable."""
 
 
-def best() -> Combiner:
+DEFAULT_PERIOD = 288  # values per day at one value every 5 minutes
+PERIOD_ROWS = 21  # rows whose timestamps give the period (all inside the 150-row warm-up)
+
+
+def best(period: int = DEFAULT_PERIOD) -> Combiner:
     """The recommended single-signal detector (the one tuned on NAB).
 
-    Five views of one signal, calibrated by their own records, max'ed, one alarm per event:
-    a spike band around a slow EWMA level, a level-shift band on the short-term mean, a
-    variance change (flat lines and bursts), sudden jumps between consecutive values, and
-    a median/MAD band that spikes cannot stretch (tuned on NAB, see docs/detectors.md).
+    Seven views of one signal, calibrated by their own records, weighted, max'ed, one
+    alarm per event: a spike band around a slow EWMA level, a level-shift band on a
+    48-value mean, a variance change (flat lines and bursts), a median/MAD band that
+    spikes cannot stretch, a CUSUM (sustained small shifts), and the difference to the
+    value one ``period`` earlier (raw and 48-value mean: a changed daily pattern).
+    ``period`` is the number of values per day (see :func:`values_per_day`). Weights
+    were tuned on the NAB subset (docs/detectors.md).
     """
     slow = 0.0003  # long memory: the band is the signal's normal range over days of data
+    return Combiner(
+        [
+            EWMA(alpha=slow),
+            EWMA(alpha=slow, smooth=48),
+            VarianceChange(short=12, alpha=slow),
+            RobustZScore(window=2000, min_samples=100),
+            CUSUM(alpha=0.001),
+            Seasonal(period=period, alpha=slow),
+            Seasonal(period=period, alpha=slow, smooth=48),
+        ],
+        weights=[0.9, 1.0, 1.0, 1.0, 0.9, 0.6, 0.9],
+        decay=0.9999,
+        warmup=150,
+        refractory=100,
+    )
+
+
+def best_previous(period: int = DEFAULT_PERIOD) -> Combiner:
+    """The first ``best`` (five views, no daily pattern), kept for comparison."""
+    slow = 0.0003
     return Combiner(
         [
             EWMA(alpha=slow),
@@ -57,31 +87,57 @@ def best() -> Combiner:
     )
 
 
-def _single(factory: Callable[[], Detector]) -> Callable[[], Detector]:
+Factory = Callable[..., Detector]
+
+
+def _single(factory: Callable[[int], Detector]) -> Factory:
     """A single detector, calibrated by the combiner like ``best`` (comparable scores)."""
-    return lambda: Combiner([factory()], decay=0.9997, warmup=150, refractory=100)
+    def make(period: int = DEFAULT_PERIOD) -> Detector:
+        return Combiner([factory(period)], decay=0.9997, warmup=150, refractory=100)
+    return make
 
 
-DETECTORS: dict[str, Callable[[], Detector]] = {
+DETECTORS: dict[str, Factory] = {
     "best": best,
-    "adaptive": _single(lambda: AdaptiveThreshold(window=100, k=3.0, nonnegative=False)),
-    "robust": _single(lambda: RobustZScore(window=2000, min_samples=100)),
-    "ewma": _single(lambda: EWMA(alpha=0.0003)),
-    "holt": _single(lambda: EWMA(alpha=0.01, beta=0.01)),
-    "level_shift": _single(lambda: EWMA(alpha=0.0003, smooth=12)),
-    "jump": _single(lambda: EWMA(alpha=0.0003, diff=True)),
-    "variance": _single(lambda: VarianceChange(short=12, alpha=0.0003)),
-    "cusum": _single(lambda: CUSUM(alpha=0.001)),
-    "page_hinkley": _single(lambda: PageHinkley()),
-    "slope": _single(lambda: Slope(window=50)),
-    "half_space_trees": _single(lambda: _hst()),
+    "best_previous": best_previous,
+    "adaptive": _single(lambda p: AdaptiveThreshold(window=100, k=3.0, nonnegative=False)),
+    "robust": _single(lambda p: RobustZScore(window=2000, min_samples=100)),
+    "ewma": _single(lambda p: EWMA(alpha=0.0003)),
+    "holt": _single(lambda p: EWMA(alpha=0.01, beta=0.01)),
+    "level_shift": _single(lambda p: EWMA(alpha=0.0003, smooth=12)),
+    "jump": _single(lambda p: EWMA(alpha=0.0003, diff=True)),
+    "variance": _single(lambda p: VarianceChange(short=12, alpha=0.0003)),
+    "cusum": _single(lambda p: CUSUM(alpha=0.001)),
+    "page_hinkley": _single(lambda p: PageHinkley()),
+    "slope": _single(lambda p: Slope(window=50)),
+    "seasonal": _single(lambda p: Seasonal(period=p, alpha=0.0003)),
+    "half_space_trees": _single(lambda p: _hst()),
 }
+"""Every configuration by name; each factory takes ``period`` (values per day)."""
 
 
 def _hst() -> Detector:
     from detectors.river_models import HalfSpaceTrees
 
     return HalfSpaceTrees()
+
+
+def values_per_day(timestamps: Sequence[str]) -> int | None:
+    """``round(86400 / median interval)`` of ISO timestamps, or None if that is unknowable.
+
+    >>> values_per_day(["2024-01-01 00:00:00", "2024-01-01 00:05:00", "2024-01-01 00:10:00"])
+    288
+    """
+    try:
+        secs = [datetime.fromisoformat(t.strip()).timestamp() for t in timestamps]
+    except (ValueError, AttributeError, TypeError):
+        return None
+    gaps = sorted(b - a for a, b in zip(secs, secs[1:], strict=False))
+    if not gaps:
+        return None
+    mid = len(gaps) // 2
+    median = gaps[mid] if len(gaps) % 2 else 0.5 * (gaps[mid - 1] + gaps[mid])
+    return max(2, round(86400 / median)) if median > 0 else None
 
 
 def _to_unit(score: float) -> float:
@@ -91,20 +147,37 @@ def _to_unit(score: float) -> float:
     return min(1.0, max(0.0, score))
 
 
-def score_series(values: Iterable[float], *, detector: str = "best") -> list[float]:
+def score_series(values: Iterable[float], *, detector: str = "best",
+                 timestamps: Sequence[str] | None = None) -> list[float]:
     """A score in [0, 1] for each value, each scored before it is learned (past rows only).
+
+    With ``timestamps``, the daily period (values per day) is estimated from the first
+    :data:`PERIOD_ROWS` rows and the detector is built then: those rows are scored 0 (every
+    configuration warms up for 150 rows anyway) and replayed into it, so no score
+    depends on a later row. Without, the period is :data:`DEFAULT_PERIOD`.
 
     >>> scores = score_series([float(i % 7) for i in range(300)] + [50.0])
     >>> len(scores), scores[-1] > 0.5
     (301, True)
     """
     try:
-        model = DETECTORS[detector]()
+        factory = DETECTORS[detector]
     except KeyError:
         raise ScoreError(f"unknown detector {detector!r}; valid names: "
                          f"{', '.join(sorted(DETECTORS))}") from None
+    model = factory() if timestamps is None else None
+    stamps = list(timestamps[:PERIOD_ROWS]) if timestamps is not None else []
+    head: list[float] = []
     out = []
-    for x in values:
+    for i, x in enumerate(values):
+        if model is None:
+            if i < PERIOD_ROWS:
+                head.append(x)
+                out.append(0.0)
+                continue
+            model = factory(values_per_day(stamps) or DEFAULT_PERIOD)
+            for y in head:
+                model.learn_one(y)
         out.append(_to_unit(model.score_one(x)))
         model.learn_one(x)
     return out
@@ -149,7 +222,7 @@ def run_score(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
             raise ScoreError(f"unknown detector {args.detector!r}; valid names: "
                              f"{', '.join(sorted(DETECTORS))}")
         timestamps, values = read_nab_csv(args.file)
-        scores = score_series(values, detector=args.detector)
+        scores = score_series(values, detector=args.detector, timestamps=timestamps)
     except ScoreError as exc:
         err.write(f"trainsentry score: error: {exc}\n")
         return 2

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from collections import deque
+from math import fsum, isfinite, sqrt
 
-from detectors._stats import SCORE_CAP, finite
+from detectors._stats import SCORE_CAP
 from detectors.base import Detector
 
 __all__ = ["Slope"]
@@ -48,51 +48,72 @@ class Slope(Detector):
         self._syy = 0.0
         self._since_exact = 0
 
-    def _sums_with(self, x: float) -> tuple[int, float, float, float]:
-        """(n, Σy, Σt·y, Σy²) of the window after appending ``x``."""
-        n, sy, sty, syy = len(self._values), self._sy, self._sty, self._syy
+    def _t_stat(self, x: float) -> float:
+        """The t-statistic of the slope of the window with ``x`` appended."""
+        values = self._values
+        n, sy, sty, syy = len(values), self._sy, self._sty, self._syy
         if n == self.window:
-            old = self._values[0]
+            old = values[0]
             # Dropping the oldest shifts every t down by one: Σt·y -= Σy - old.
             sy -= old
             syy -= old * old
             sty -= sy
             n -= 1
-        return n + 1, sy + x, sty + n * x, syy + x * x
-
-    def _t_stat(self, n: int, sy: float, sty: float, syy: float) -> float:
+        sty += n * x
+        sy += x
+        syy += x * x
+        n += 1
         if n < 3:
             return 0.0
         st = n * (n - 1) / 2.0
-        stt = (n - 1) * n * (2 * n - 1) / 6.0
-        sxx = stt - st * st / n
+        sxx = (n - 1) * n * (2 * n - 1) / 6.0 - st * st / n
         sxy = sty - st * sy / n
         syy_c = syy - sy * sy / n
-        if not (math.isfinite(sxy) and math.isfinite(syy_c)):
+        if not (isfinite(sxy) and isfinite(syy_c)):
             return 0.0
         slope = sxy / sxx
-        sse = max(0.0, syy_c - slope * sxy)
-        se = math.sqrt(sse / (n - 2) / sxx)
-        if self.direction == "up" and slope <= 0:
+        if slope == 0.0 or (slope < 0.0 and self.direction == "up"):
             return 0.0
-        floor = 1e-12 * max(1.0, abs(sy / n))
-        if slope == 0.0:
-            return 0.0
-        return min(SCORE_CAP, abs(slope) / max(se, floor))
+        sse = syy_c - slope * sxy
+        se = sqrt(sse / (n - 2) / sxx) if sse > 0.0 else 0.0
+        floor = 1e-12 * abs(sy / n)
+        if floor < 1e-12:
+            floor = 1e-12
+        t = abs(slope) / (se if se > floor else floor)
+        return t if t < SCORE_CAP else SCORE_CAP
 
     def score_one(self, x: float) -> float:
-        if not finite(x) or len(self._values) < self.window - 1:
+        if len(self._values) < self.window - 1:
             return 0.0
-        return min(SCORE_CAP, self._t_stat(*self._sums_with(x)) / self.k)
+        try:
+            if not isfinite(x):
+                return 0.0
+        except TypeError:
+            return 0.0
+        score = self._t_stat(x) / self.k
+        return score if score < SCORE_CAP else SCORE_CAP
 
     def learn_one(self, x: float) -> None:
-        if not finite(x):
+        try:
+            if not isfinite(x):
+                return
+        except TypeError:
             return
-        _, self._sy, self._sty, self._syy = self._sums_with(x)
-        self._values.append(x)
+        values = self._values
+        n = len(values)
+        if n == self.window:
+            old = values[0]
+            self._sy -= old
+            self._syy -= old * old
+            self._sty -= self._sy
+            n -= 1
+        self._sty += n * x
+        self._sy += x
+        self._syy += x * x
+        values.append(x)
         self._since_exact += 1
         if self._since_exact >= self.window:
             self._since_exact = 0
-            self._sy = math.fsum(self._values)
-            self._sty = math.fsum(t * y for t, y in enumerate(self._values))
-            self._syy = math.fsum(y * y for y in self._values)
+            self._sy = fsum(values)
+            self._sty = fsum(t * y for t, y in enumerate(values))
+            self._syy = fsum(y * y for y in values)

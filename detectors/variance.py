@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
+from math import isfinite, log, sqrt
 
-from detectors._stats import EWStats, finite, safe_ratio
+from detectors._stats import SCORE_CAP
 from detectors.base import Detector
 
 __all__ = ["VarianceChange"]
@@ -44,37 +44,70 @@ class VarianceChange(Detector):
         self.alpha = alpha
         self.k = k
         self.min_samples = min_samples
+        self._a = 2.0 / (short + 1)
         self._mean: float | None = None  # short EW mean
         self._var = 0.0  # short EW variance
-        self._logvar = EWStats(alpha)
-        self._scale = EWStats(alpha)  # long-run |x|, so the variance floor is relative
+        # Long-run EW mean / variance of the log-variance (West's update), and of |x| (only
+        # its mean: the variance floor is relative to the signal's magnitude).
+        self._n = 0
+        self._lmean = 0.0
+        self._lvar = 0.0
+        self._lstd = 0.0
+        self._sn = 0
+        self._smean = 0.0
 
-    def _next(self, x: float) -> tuple[float, float, float]:
+    def _logvar(self, x: float, mean: float) -> tuple[float, float, float]:
         """Short mean, short variance and log-variance after folding in ``x``."""
-        assert self._mean is not None
-        a = 2.0 / (self.short + 1)
-        d = x - self._mean
-        mean = self._mean + a * d
+        a = self._a
+        d = x - mean
+        mean += a * d
         var = (1.0 - a) * (self._var + a * d * d)
-        if not math.isfinite(var):
+        if not isfinite(var):
             var = 1e300
         # Exact flat lines give var 0; floor it relative to the signal's magnitude so the
         # log stays finite and "flat" is a large but comparable value (not -inf).
-        floor = 1e-12 * max(abs(self._scale.mean), 1e-12)
-        return mean, var, math.log(max(var, floor, 1e-300))
+        scale = abs(self._smean)
+        floor = 1e-12 * (scale if scale > 1e-12 else 1e-12)
+        return mean, var, log(var if var > floor else floor)
 
     def score_one(self, x: float) -> float:
-        if not finite(x) or self._mean is None or self._logvar.n < self.min_samples:
+        mean = self._mean
+        if mean is None or self._n < self.min_samples:
             return 0.0
-        _, _, logvar = self._next(x)
-        return safe_ratio(abs(logvar - self._logvar.mean), self.k * self._logvar.std, 1.0)
+        try:
+            if not isfinite(x):
+                return 0.0
+        except TypeError:
+            return 0.0
+        dev = abs(self._logvar(x, mean)[2] - self._lmean)
+        if dev == 0.0:
+            return 0.0
+        den = self.k * self._lstd
+        ratio = dev / (den if den > 1e-12 else 1e-12)
+        return ratio if ratio < SCORE_CAP else SCORE_CAP
 
     def learn_one(self, x: float) -> None:
-        if not finite(x):
+        try:
+            if not isfinite(x):
+                return
+        except TypeError:
             return
-        self._scale.update(abs(x))
-        if self._mean is None:
+        sn = self._sn = self._sn + 1
+        a = 1.0 / sn
+        if a < self.alpha:
+            a = self.alpha
+        smean = self._smean + a * (abs(x) - self._smean)
+        self._smean = smean if isfinite(smean) else abs(x)
+        mean = self._mean
+        if mean is None:
             self._mean = x
             return
-        self._mean, self._var, logvar = self._next(x)
-        self._logvar.update(logvar)
+        self._mean, self._var, logvar = self._logvar(x, mean)
+        n = self._n = self._n + 1
+        a = 1.0 / n
+        if a < self.alpha:
+            a = self.alpha
+        d = logvar - self._lmean
+        lmean = self._lmean + a * d
+        lvar = (1.0 - a) * (self._lvar + a * d * d)
+        self._lmean, self._lvar, self._lstd = lmean, lvar, sqrt(lvar)

@@ -122,7 +122,8 @@ class DingTalk:
 
     # -- payloads --------------------------------------------------------------------------
     def _critical(self, alerts: Sequence[AlertEvent]) -> bool:
-        return any(a.status == "firing" and a.severity == "critical" for a in alerts)
+        return any(a.status == "firing" and (a.severity == "critical" or getattr(a, "escalated", False))
+                   for a in alerts)  # escalated: notifiers.lifecycle.Notice after repeats
 
     def _at(self, alerts: Sequence[AlertEvent]) -> tuple[dict[str, Any], str]:
         if not self._critical(alerts):

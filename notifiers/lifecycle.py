@@ -43,6 +43,7 @@ __all__ = [
     "HistoryRecord",
     "Notice",
     "Plan",
+    "Send",
     "RunBook",
     "AlertBook",
     "alert_labels",
@@ -390,10 +391,14 @@ class RunBook:
         self.episodes: dict[str, _Episode] = {}
         self.seen: list[str] = []
         self.max_step = -1
+        #: Notices staged for delivery and the receivers that already acknowledged each:
+        #: after a crash, delivery resumes for the other receivers only.
+        self.outbox: list[dict[str, Any]] = []
 
     def to_dict(self) -> dict[str, Any]:
         return {"v": 1, "run_id": self.run_id, "max_step": self.max_step, "seen": list(self.seen),
-                "episodes": [asdict(e) for e in self.episodes.values()]}
+                "episodes": [asdict(e) for e in self.episodes.values()],
+                "outbox": [dict(o) for o in self.outbox]}
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> RunBook:
@@ -403,16 +408,20 @@ class RunBook:
         for e in obj.get("episodes", []):
             ep = _Episode(**e)
             book.episodes[ep.fingerprint] = ep
+        book.outbox = [dict(o) for o in obj.get("outbox", [])]
         return book
 
     @property
     def waiting(self) -> bool:
-        """Some episode was not notified yet: :meth:`AlertBook.due` may release it."""
-        return any(not e.notified for e in self.episodes.values())
+        """Some episode was not notified yet (:meth:`AlertBook.due` may release it), or
+        some notice is staged but not settled (:meth:`AlertBook.resume`)."""
+        return bool(self.outbox) or any(not e.notified for e in self.episodes.values())
 
 
 @dataclass
-class _Send:
+class Send:
+    """One notice to deliver: which run and problem, and as what (firing, repeat, resolved)."""
+
     run_id: str
     fingerprint: str
     kind: str  # firing | repeat | resolved
@@ -427,7 +436,7 @@ class Plan:
     records: list[HistoryRecord] = field(default_factory=list)
     duplicates: int = 0
     runs: set[str] = field(default_factory=set)
-    _sends: list[_Send] = field(default_factory=list)
+    sends: list[Send] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------ the book
@@ -516,20 +525,80 @@ class AlertBook:
             for ep in list(run.episodes.values()):
                 if ep.notified:
                     continue
-                before = len(plan.records) + len(plan._sends)
+                before = len(plan.records) + len(plan.sends)
                 self._decide(run, ep, ep.event(), now, silences, acks, plan, first=False,
                              quiet=True)
-                if len(plan.records) + len(plan._sends) != before:
+                if len(plan.records) + len(plan.sends) != before:
                     plan.runs.add(run_id)
         return plan
 
-    def settle(self, plan: Plan, delivered: Collection[str], *, now: float) -> list[HistoryRecord]:
-        """Record what was delivered; returns every history record of the plan."""
+    # -- the outbox: per-receiver progress, so a crash resends to nobody who got it ----------
+    def stage(self, plan: Plan) -> None:
+        """Put the plan's notices in their runs' outboxes (persist the runs after this)."""
+        for send in plan.sends:
+            run = self.run(send.run_id)
+            if any(o["id"] == send.notice.id for o in run.outbox):
+                continue
+            run.outbox.append({"id": send.notice.id, "fingerprint": send.fingerprint,
+                               # no series: keeps the table record small (a resumed
+                               # notice goes out without its chart)
+                               "kind": send.kind,
+                               "notice": {**send.notice.to_dict(), "series": {}},
+                               "sent": [], "failed": []})
+
+    def mark(self, run_id: str, alert_id: str, receiver: str, *, ok: bool) -> None:
+        """One receiver acknowledged (``ok``) or gave up on one staged notice."""
+        for o in self.run(run_id).outbox:
+            if o["id"] == alert_id:
+                o["sent" if ok else "failed"] = sorted({*o["sent" if ok else "failed"], receiver})
+
+    def todo(self, run_id: str, alert_id: str, receivers: Iterable[str]) -> list[str]:
+        """The receivers that still have to be tried for a staged notice."""
+        for o in self.run(run_id).outbox:
+            if o["id"] == alert_id:
+                done = {*o["sent"], *o["failed"]}
+                return [r for r in receivers if r not in done]
+        return list(receivers)
+
+    def resume(self, run_ids: Iterable[str] | None = None) -> Plan:
+        """A plan of what was staged but not settled (after a crash or restart)."""
+        plan = Plan()
+        for run_id in list(run_ids if run_ids is not None else self.runs):
+            run = self.runs.get(run_id)
+            if run is None or not run.outbox:
+                continue
+            plan.runs.add(run_id)
+            for o in run.outbox:
+                values = dict(o["notice"])
+                escalated, repeat = bool(values.pop("escalated", False)), int(values.pop("repeat", 0))
+                notice = Notice.of(AlertEvent.from_dict(values), escalated=escalated, repeat=repeat)
+                plan.sends.append(Send(run_id, o["fingerprint"], o["kind"], notice))
+                plan.notices.append(notice)
+        return plan
+
+    def delivered(self, plan: Plan) -> set[str]:
+        """Ids of the plan's notices that at least one receiver acknowledged."""
+        out: set[str] = set()
+        for send in plan.sends:
+            run = self.runs.get(send.run_id)
+            for o in run.outbox if run is not None else ():
+                if o["id"] == send.notice.id and o["sent"]:
+                    out.add(o["id"])
+        return out
+
+    def settle(self, plan: Plan, delivered: Collection[str] | None = None, *,
+               now: float) -> list[HistoryRecord]:
+        """Record what was delivered (default: what the outbox says) and clear the plan's
+        outbox entries; returns every history record of the plan."""
+        if delivered is None:
+            delivered = self.delivered(plan)
         records = list(plan.records)
-        for send in plan._sends:
+        for send in plan.sends:
             n = send.notice
             ok = n.id in delivered
             run = self.runs.get(send.run_id)
+            if run is not None:
+                run.outbox = [o for o in run.outbox if o["id"] != n.id]
             ep = run.episodes.get(send.fingerprint) if run is not None else None
             transition = send.kind
             if ep is not None and ok:
@@ -552,8 +621,8 @@ class AlertBook:
         ep = run.episodes.pop(alert.fingerprint, None)
         if ep is not None and ep.notified:
             # Sent even when silenced or acknowledged since: whoever saw it fire hears it end.
-            plan._sends.append(_Send(run.run_id, alert.fingerprint, "resolved", Notice.of(alert)))
-            plan.notices.append(plan._sends[-1].notice)
+            plan.sends.append(Send(run.run_id, alert.fingerprint, "resolved", Notice.of(alert)))
+            plan.notices.append(plan.sends[-1].notice)
             return
         why = "never notified" if ep is not None else "no open episode"
         if ep is not None and ep.suppressed:
@@ -591,8 +660,8 @@ class AlertBook:
             plan.records.append(_record(alert, what, now, reason=why))
             return
         if not ep.notified:
-            plan._sends.append(_Send(run.run_id, ep.fingerprint, "firing", Notice.of(alert)))
-            plan.notices.append(plan._sends[-1].notice)
+            plan.sends.append(Send(run.run_id, ep.fingerprint, "firing", Notice.of(alert)))
+            plan.notices.append(plan.sends[-1].notice)
             return
         if quiet:
             return
@@ -603,9 +672,9 @@ class AlertBook:
             return
         number = ep.repeats + 1
         escalate = bool(c.escalate_after) and number >= c.escalate_after
-        plan._sends.append(_Send(run.run_id, ep.fingerprint, "repeat",
+        plan.sends.append(Send(run.run_id, ep.fingerprint, "repeat",
                                  Notice.of(alert, escalated=escalate, repeat=number)))
-        plan.notices.append(plan._sends[-1].notice)
+        plan.notices.append(plan.sends[-1].notice)
 
     def _for_text(self) -> str:
         c = self.config

@@ -117,7 +117,8 @@ class WeCom:
 
     # -- payloads --------------------------------------------------------------------------
     def _mentions(self, alerts: Sequence[AlertEvent]) -> list[str]:
-        critical = any(a.status == "firing" and a.severity == "critical" for a in alerts)
+        critical = any(a.status == "firing" and (a.severity == "critical" or getattr(a, "escalated", False))
+                       for a in alerts)  # escalated: notifiers.lifecycle.Notice after repeats
         return list(self.mentioned_list) if critical else []
 
     def markdown_payload(self, alerts: Sequence[AlertEvent]) -> dict[str, Any]:

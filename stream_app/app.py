@@ -55,6 +55,9 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
     engine = Engine(engine_config or EngineConfig(breaker_threshold=settings.breaker_threshold))
     pipeline = Pipeline(engine=engine, topics=topics, control_secret=settings.control_secret)
     svc = ServiceState()
+    from stream_app.metrics import Recorder  # issue 7: metrics and dashboard timeline
+
+    recorder = svc.extra["recorder"] = Recorder()
 
     app_kwargs: dict[str, Any] = dict(
         broker=_broker_url(settings.kafka_bootstrap),
@@ -108,12 +111,14 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
 
     async def publish(outcome: Outcome, state: RunState) -> None:
         run_table[state.run_id.encode()] = dump_state(state)
+        sent_commands = svc.commands
         for record in outcome.records:
             await send(record)
             if record.topic == topics.alerts:
                 svc.alerts += 1
             elif record.topic == topics.control:
                 svc.commands += 1
+        recorder.on_outcome(state, outcome.outputs, svc.commands - sent_commands)
 
     @app.agent(source, name="trainsentry.detect")
     async def detect(stream: Any) -> None:
@@ -129,11 +134,13 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
                 await send(pipeline.deadletter(msg.topic, msg.partition, msg.offset, event.key,
                                                event.value, str(exc)))
                 continue
+            recorder.on_event(decoded)
             state = get_state(decoded.run_id)
             try:
                 outcome = pipeline.handle(state, decoded)
             except Exception as exc:  # a bug must not stop every other run
                 svc.deadletters += 1
+                svc.extra["engine_errors"] = svc.extra.get("engine_errors", 0) + 1
                 svc.errors.append(f"{type(exc).__name__}: {exc}"[:300])
                 del svc.errors[:-20]
                 log.exception("engine failed on %s[%d]@%d; dead-lettered", msg.topic,
@@ -160,6 +167,7 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
     async def on_assigned(app_: Any, assigned: Any, **_: Any) -> None:
         svc.ready = True
 
+    from stream_app.alerting_api import install_alerting; install_alerting(app, svc=svc, settings=settings)  # noqa: E702, I001 - issue 5
     if notifier is not None:
         from stream_app.notify import install_notifier
 

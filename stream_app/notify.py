@@ -1,17 +1,31 @@
 """The notify agent: the alerts topic is the outbox; chat delivery is at-least-once, deduplicated.
 
-Alerts are taken in small batches (up to 100 or 0.2 s), already-delivered ids are skipped
-(the ``sent_alerts`` table, changelog-backed, survives restarts), the rest go to the
-:class:`~notifiers.delivery.Deliverer`, which returns only once every receiver has
-acknowledged or failed for good; only then are the ids recorded and the batch acked,
-so Faust commits the offsets after delivery.
+Alerts are taken in small batches (up to 100 or 0.2 s) and handed to the
+:class:`~notifiers.lifecycle.AlertBook`, which decides per run and fingerprint what to
+send (pending ``for``, repeats and escalation, silences, acks, inhibition, resolved only
+after a delivered firing) and dedups ids already handled. The notices of a batch go to the
+:class:`~notifiers.delivery.Deliverer` together, so a run's problems of one tick share one
+digest. Only after it settled (every receiver acknowledged or failed for good) are the
+run's book states written to the ``alert_book`` table (changelog-backed, keyed by run_id
+like the alerts topic) and flushed, the transitions published to the history topic, and
+the batch acked, so Faust commits the offsets after delivery.
+
+Shutdown (SIGTERM) cancels the agent mid-delivery: the batch's messages are then held
+(an extra reference), so they are never acked nor committed and a restart redelivers them.
+A timer releases what waited: matured pending warnings, alerts whose silence expired or
+whose root cause resolved.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import time
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from notifiers.lifecycle import AlertBook, Plan, Send
 from trainsentry.errors import EventError
 from trainsentry.events import AlertEvent, decode_record
 
@@ -19,46 +33,204 @@ __all__ = ["install_notifier"]
 
 log = logging.getLogger(__name__)
 
+#: How long the agent waits for the silences topic to be read before sending anyway.
+READY_WAIT_S = 30.0
+
 
 def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, partitions: int,
-                     batch: int = 100, within_s: float = 0.2) -> None:
-    import faust
+                     batch: int = 100, within_s: float = 0.2, due_interval_s: float = 1.0) -> None:
+    """Declare the ``alert_book`` table, the notify agent and its timers."""
+    from stream_app.alerting_api import Alerting
 
-    sent = app.Table("sent_alerts", default=None, partitions=partitions,
-                     schema=faust.Schema(key_type=bytes, value_type=bytes, key_serializer="raw",
-                                         value_serializer="raw"))
-    svc.extra["delivered"] = 0
-    svc.extra["duplicates_skipped"] = 0
+    ctx: Alerting | None = svc.extra.get("alerting")
+    if ctx is None:  # built without install_alerting: no silences/history topics
+        ctx = Alerting(None)
+        ctx.ready.set()
+        svc.extra["alerting"] = ctx
+    lanes = ctx.fanout(notifier)
+    book = AlertBook(ctx.config)
+    table = app.Table("alert_book", default=None, partitions=partitions, key_type=bytes,
+                      value_type=bytes, key_serializer="raw", value_serializer="raw",
+                      # keyed by run_id like the alerts topic: the producer's partitioner
+                      # puts each run's state next to its alerts, batch or timer alike.
+                      use_partitioner=True)
+    lock = asyncio.Lock()
+    waiting: set[str] = set()  # runs with something not notified or not settled: timer work
+    dirty: set[str] = set()
+    state: dict[str, Any] = {"generation": 0, "seen_generation": 0, "scanned": False,
+                             "flusher": None}
+    for key in ("delivered", "duplicates_skipped", "notices", "held_on_shutdown"):
+        svc.extra[key] = 0
 
-    @app.agent(alerts_topic, name="trainsentry.notify")
+    def health() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for lane in lanes.values():
+            out.update(lane.health())
+        return out
+
+    def sync_generation() -> None:
+        # Partitions moved: cached run books may belong to another worker now.
+        if state["seen_generation"] != state["generation"]:
+            book.runs.clear()
+            waiting.clear()
+            state["scanned"] = False
+            state["seen_generation"] = state["generation"]
+
+    def load(run_ids: Iterable[str]) -> None:
+        for run_id in run_ids:
+            if run_id not in book.runs:
+                raw = table.get(run_id.encode())
+                book.restore(run_id, json.loads(raw) if raw else None)
+
+    def forget(run_ids: Iterable[str]) -> None:
+        for run_id in run_ids:
+            book.runs.pop(run_id, None)  # reloaded from the table next time
+
+    def persist(run_ids: Iterable[str]) -> None:
+        for run_id in run_ids:
+            run = book.runs.get(run_id)
+            dirty.discard(run_id)
+            if run is None:
+                continue
+            table[run_id.encode()] = json.dumps(run.to_dict(), separators=(",", ":")).encode()
+            (waiting.add if run.waiting else waiting.discard)(run_id)
+
+    async def persist_soon() -> None:
+        # Receivers acknowledge one digest at a time; write their progress in small batches.
+        await asyncio.sleep(0.05)
+        state["flusher"] = None
+        persist(list(dirty))
+        await app.producer.flush()
+
+    async def send_one(name: str, send: Send) -> bool:
+        result = await lanes[name].deliver([send.notice])
+        for failure in result.failed:
+            log.error("alert %s not delivered to %s (%s): %s", failure.alert_id,
+                      failure.receiver, failure.kind, failure.reason)
+        if not result.settled:
+            return False
+        ok = bool(result.delivered.get(name)) or (name == "notifier" and result.ok)
+        book.mark(send.run_id, send.notice.id, name, ok=ok)
+        dirty.add(send.run_id)
+        if state["flusher"] is None:
+            state["flusher"] = asyncio.ensure_future(persist_soon())
+        return True
+
+    async def execute(plan: Plan) -> bool:
+        """Stage, deliver per receiver, settle, persist, publish. False: not settled."""
+        if not plan.notices and not plan.records:
+            return True
+        book.stage(plan)
+        persist(plan.runs)
+        # The changelog must know what is staged before anything goes out.
+        await app.producer.flush()
+        if plan.records:  # decided without a delivery (pending, silenced, inhibited, ...)
+            await ctx.publish_history(plan.records)
+            plan.records = []
+        jobs = [send_one(name, send) for send in plan.sends
+                for name in book.todo(send.run_id, send.notice.id, lanes)]
+        if jobs:
+            settled = await asyncio.gather(*jobs)
+            svc.extra["notifier_health"] = health()
+            if not all(settled):
+                return False
+        delivered = book.delivered(plan)
+        records = book.settle(plan, delivered, now=time.time())
+        persist(plan.runs)
+        await app.producer.flush()
+        svc.extra["delivered"] += len(plan.notices)
+        svc.extra["notices"] += len(delivered)
+        await ctx.publish_history(records)
+        return True
+
+    def decode(events: Sequence[Any]) -> list[AlertEvent]:
+        alerts: list[AlertEvent] = []
+        for event in events:
+            try:
+                alert = decode_record(event.value, "alert")
+            except EventError as exc:
+                log.warning("skipping undecodable alert record: %s", exc)
+                continue
+            assert isinstance(alert, AlertEvent)
+            alerts.append(alert)
+        return alerts
+
+    def hold(events: Sequence[Any]) -> None:
+        # One more reference than the stream will release: never acked, never committed.
+        for event in events:
+            event.message.incref()
+        svc.extra["held_on_shutdown"] += len(events)
+
+    @app.agent(alerts_topic, name="trainsentry.notify")  # type: ignore[untyped-decorator]
     async def notify(stream: Any) -> None:
         async for events in stream.take_events(batch, within=within_s):
-            todo: list[AlertEvent] = []
-            for event in events:
+            if not ctx.ready.is_set():
                 try:
-                    alert = decode_record(event.value, "alert")
-                except EventError as exc:
-                    log.warning("skipping undecodable alert record: %s", exc)
-                    continue
-                assert isinstance(alert, AlertEvent)
-                if sent.get(alert.id.encode()) is not None or any(a.id == alert.id for a in todo):
-                    svc.extra["duplicates_skipped"] += 1
-                    continue
-                todo.append(alert)
-            if not todo:
+                    await asyncio.wait_for(ctx.ready.wait(), READY_WAIT_S)
+                except TimeoutError:
+                    log.warning("silences not loaded after %.0fs; notifying without them",
+                                READY_WAIT_S)
+                    ctx.ready.set()
+            alerts = decode(events)
+            if not alerts:
                 continue
-            result = await notifier.deliver(todo)
-            svc.extra["notifier_health"] = notifier.health()
-            for failure in result.failed:
-                log.error("alert %s not delivered to %s (%s): %s", failure.alert_id,
-                          failure.receiver, failure.kind, failure.reason)
-            if not result.settled:
-                # Closed mid-delivery (shutdown): do not mark; the batch is redelivered.
-                raise RuntimeError("notifier closed before delivery settled")
-            for alert in todo:
-                sent[alert.id.encode()] = b"1"
-            svc.extra["delivered"] += len(todo)
+            done = False
+            runs = {a.run_id for a in alerts}
+            try:
+                async with lock:
+                    sync_generation()
+                    load(runs)
+                    now = time.time()
+                    plan = book.observe(alerts, now=now, silences=ctx.silences.active(now),
+                                        acks=ctx.silences.acks)
+                    svc.extra["duplicates_skipped"] += plan.duplicates
+                    done = await execute(plan)
+            except BaseException:
+                if not done:
+                    hold(events)
+                    forget(runs)
+                raise
+            if not done:
+                hold(events)
+                forget(runs)
+                raise RuntimeError("notifier closed before delivery settled; batch held")
 
-    @app.timer(interval=5.0, name="trainsentry.notifier_health")
-    async def health() -> None:
-        svc.extra["notifier_health"] = notifier.health()
+    @app.timer(interval=due_interval_s, name="trainsentry.alert_due")  # type: ignore[untyped-decorator]
+    async def due() -> None:
+        if not ctx.ready.is_set():
+            return
+        async with lock:
+            sync_generation()
+            if not state["scanned"]:
+                for key, raw in list(table.items()):
+                    if raw and (b'"notified":false' in raw or b'"outbox":[{' in raw):
+                        waiting.add(key.decode())
+                state["scanned"] = True
+            if not waiting:
+                return
+            run_ids = sorted(waiting)
+            load(run_ids)
+            now = time.time()
+            for plan in (book.resume(run_ids),  # staged before a crash: finish it first
+                         book.due(now=now, silences=ctx.silences.active(now),
+                                  acks=ctx.silences.acks, run_ids=run_ids)):
+                try:
+                    ok = await execute(plan)
+                except BaseException:
+                    forget(plan.runs)
+                    raise
+                if not ok:
+                    forget(plan.runs)
+                    return
+            for run_id in run_ids:
+                run = book.runs.get(run_id)
+                if run is not None and not run.waiting:
+                    waiting.discard(run_id)
+
+    @app.on_partitions_revoked.connect  # type: ignore[untyped-decorator]
+    async def on_revoked(app_: Any, revoked: Any, **_: Any) -> None:
+        state["generation"] += 1
+
+    @app.timer(interval=5.0, name="trainsentry.notifier_health")  # type: ignore[untyped-decorator]
+    async def health_timer() -> None:
+        svc.extra["notifier_health"] = health()

@@ -21,6 +21,7 @@ from detectors import (
     NonFinite,
     PageHinkley,
     RobustZScore,
+    Seasonal,
     Slope,
     VarianceChange,
 )
@@ -37,6 +38,8 @@ FACTORIES: dict[str, Callable[[], Detector]] = {
     "CUSUM": lambda: CUSUM(alpha=0.05),
     "PageHinkley": lambda: PageHinkley(alpha=0.05),
     "Slope": lambda: Slope(window=10),
+    "Seasonal": lambda: Seasonal(period=7, alpha=0.05),
+    "Seasonal-smooth": lambda: Seasonal(period=7, alpha=0.05, smooth=5),
     "NonFinite": NonFinite,
     "HalfSpaceTrees": lambda: HalfSpaceTrees(n_trees=3, height=4, window_size=20),
     "Combiner": lambda: Combiner([EWMA(alpha=0.05), RobustZScore(window=30)], warmup=20,
@@ -161,7 +164,7 @@ def test_state_size_is_bounded(name: str) -> None:
 def test_spike_scores_higher_than_normal(name: str) -> None:
     """A large spike scores higher than a typical value (for detectors that look at level)."""
     if name in ("NonFinite", "VarianceChange", "CUSUM", "PageHinkley", "Slope", "EWMA-diff",
-                "EWMA-smooth", "HalfSpaceTrees"):
+                "EWMA-smooth", "HalfSpaceTrees", "Seasonal-smooth"):
         pytest.skip("not a single-value level detector")
     det = trained(name)
     assert det.score_one(60.0) > det.score_one(10.0)
@@ -271,3 +274,26 @@ def test_page_hinkley_detects_a_creep() -> None:
         best = max(best, det.score_one(x))
         det.learn_one(x)
     assert best > 1.0
+
+
+def test_seasonal_flags_a_missing_daily_peak() -> None:
+    """A peak that does not come, though the value is inside the day's range, scores high."""
+    rng = random.Random(0)
+    day = [20.0] * 12 + [80.0] * 12
+    det = Seasonal(period=24, alpha=0.01)
+    for i in range(24 * 20):
+        det.learn_one(day[i % 24] + rng.gauss(0, 1))
+    assert det.score_one(20.0) < 1.0  # midnight, as usual
+    for _ in range(12):
+        det.learn_one(20.0 + rng.gauss(0, 1))
+    assert det.score_one(20.0) > 1.0  # noon, and the peak does not come
+
+
+def test_combiner_learn_reuses_scores_without_changing_results() -> None:
+    """learn_one after score_one of the same value gives the same state as learn_one alone."""
+    a, b = DETECTORS["best"](), DETECTORS["best"]()
+    for x in noisy(600) + [40.0, 10.0, -5.0]:
+        a.score_one(x)
+        a.learn_one(x)
+        b.learn_one(x)
+    assert pickle.dumps(a) == pickle.dumps(b)

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from detectors.score import DETECTORS, ScoreError, add_cli, read_nab_csv, run_score, score_series
+from detectors.score import (
+    DETECTORS,
+    PERIOD_ROWS,
+    ScoreError,
+    add_cli,
+    read_nab_csv,
+    run_score,
+    score_series,
+    values_per_day,
+)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -123,3 +132,23 @@ def test_nan_values_score_zero(tmp_path: Path) -> None:
     """A NaN row is read, scored 0 by the default detector, and echoed."""
     rc, out, _ = run(["score", str(write_csv(tmp_path / "s.csv", [1.0, math.nan, 2.0]))])
     assert rc == 0 and "nan" in out.lower()
+
+
+def test_score_series_with_timestamps_sees_only_past_rows() -> None:
+    """With timestamps (daily period), a row's score still depends on no later row."""
+    n = 600
+    stamps = [f"2024-01-{1 + i // 288:02d} {i % 288 // 12:02d}:{i % 12 * 5:02d}:00"
+              for i in range(n + 2)]
+    base = [float(i % 5) for i in range(n)]
+    a = score_series(base + [100.0, 0.0], timestamps=stamps)
+    b = score_series(base + [100.0, 1e9], timestamps=stamps)
+    assert a[:-1] == b[:-1]
+    assert a[:PERIOD_ROWS] == [0.0] * PERIOD_ROWS
+
+
+def test_values_per_day_from_timestamps() -> None:
+    """The period is 86400 s over the median interval; unparseable stamps give None."""
+    hourly = [f"2011-07-01 {h:02d}:00:01" for h in range(21)]
+    assert values_per_day(hourly) == 24
+    assert values_per_day(["not a time", "either"]) is None
+    assert values_per_day(["2024-01-01 00:00:00"]) is None

@@ -113,6 +113,17 @@ class Settings:
     kafka_sasl_username: str = ""
     kafka_sasl_password: Secret = field(default_factory=lambda: Secret(""))
     kafka_ssl_cafile: str = ""
+    # Alerting (docs/alerting.md).
+    public_url: str = ""  #: base of chart links in chat; default http://<web_host>:<web_port>
+    alert_for_s: int = 60  #: a warning holds this long (or alert_for_steps) before it is sent
+    alert_for_steps: int = 10
+    alert_repeat_interval_s: int = 0  #: least seconds between repeats of one problem
+    alert_escalate_after: int = 2  #: repeats before the on-call list is @-mentioned (0: never)
+    alert_charts: bool = True
+    oncall_mobiles: str = ""  #: DingTalk at_mobiles, comma-separated
+    oncall_wecom_users: str = ""  #: WeCom mentioned_list userids, comma-separated
+    notify_rate_limit: int = 20  #: messages per robot per notify_window_s
+    notify_window_s: int = 60
 
     @property
     def topics(self) -> Topics:
@@ -150,6 +161,16 @@ ENV_VARS: dict[str, str] = {
     "TRAINSENTRY_KAFKA_SASL_USERNAME": "kafka_sasl_username",
     "TRAINSENTRY_KAFKA_SASL_PASSWORD": "kafka_sasl_password",
     "TRAINSENTRY_KAFKA_SSL_CAFILE": "kafka_ssl_cafile",
+    "TRAINSENTRY_PUBLIC_URL": "public_url",
+    "TRAINSENTRY_ALERT_FOR_S": "alert_for_s",
+    "TRAINSENTRY_ALERT_FOR_STEPS": "alert_for_steps",
+    "TRAINSENTRY_ALERT_REPEAT_INTERVAL_S": "alert_repeat_interval_s",
+    "TRAINSENTRY_ALERT_ESCALATE_AFTER": "alert_escalate_after",
+    "TRAINSENTRY_ALERT_CHARTS": "alert_charts",
+    "TRAINSENTRY_ONCALL_MOBILES": "oncall_mobiles",
+    "TRAINSENTRY_ONCALL_WECOM_USERS": "oncall_wecom_users",
+    "TRAINSENTRY_NOTIFY_RATE_LIMIT": "notify_rate_limit",
+    "TRAINSENTRY_NOTIFY_WINDOW_S": "notify_window_s",
 }
 
 _FIELD_TYPES = {f.name: f for f in fields(Settings)}

@@ -86,6 +86,19 @@ class AdaptiveThreshold(Detector):
         mean = self._sum / n
         return math.sqrt(max(0.0, self._sumsq / n - mean * mean))
 
+    def band(self) -> tuple[float, float, float]:
+        """(mean, lower, upper) in one pass: what the monitors read on every value."""
+        n = len(self._values)
+        if not n:
+            return 0.0, 0.0, 0.0
+        mean = self._sum / n
+        var = self._sumsq / n - mean * mean
+        spread = self.k * math.sqrt(var) if var > 0.0 else 0.0
+        lower = mean - spread
+        if self.nonnegative and lower < 0.0:
+            lower = 0.0
+        return mean, lower, mean + spread
+
     def bounds(self) -> tuple[float, float]:
         """The healthy band (lower, upper) learned so far."""
         mean, spread = self.mean(), self.k * self.std()

@@ -60,8 +60,11 @@ class EngineConfig:
     breaker_threshold: int = 3  #: consecutive critical steps before a command
     resolve_after_steps: int = 3  #: clear steps before a firing alert resolves
     repeat_every_steps: int = 50  #: re-send a still-firing alert every N steps
-    watermark_lag_steps: int = 2  #: evaluate a step once every live part is this far ahead
-    stale_part_steps: int = 8  #: a part this far behind the newest step no longer holds the join
+    watermark_lag_steps: int = 2  #: while the join is new, wait until every part is this far ahead
+    join_warm_steps: int = 3  #: steps evaluated before the join trusts the parts it has seen
+    stale_part_steps: int = 8  #: a part this far behind the newest step...
+    stale_part_s: float = 30.0  #: ...and silent this long (arrival clock) no longer holds the join
+    join_grace_s: float = 0.3  #: stream only: a step waits this long after its first record
     max_signals: int = 400  #: bound on monitored keys per run
     chart_points: int = 60  #: recent values per signal kept for alert charts
     hang_factor: float = 5.0  #: hang when no step for factor x p95 step interval...
@@ -79,6 +82,7 @@ class _Pending:
     ts: float
     parts: dict[Part, dict[str, float]] = field(default_factory=dict)
     hosts: dict[int, str] = field(default_factory=dict)
+    first_arrival: float | None = None  # wall clock of the step's first record (stream only)
 
 
 @dataclass
@@ -102,7 +106,8 @@ class RunState:
         self.config: dict[str, Any] = {}
         self.pending: dict[int, _Pending] = {}
         self.part_latest: dict[Part, int] = {}
-        self.expected: set[Part] = set()
+        self.part_arrival: dict[Part, float] = {}
+        self.arrival: float | None = None  # wall clock of the latest event (stream only)
         self.last_evaluated = -1
         self.max_step = -1
         self.monitors: dict[str, SignalMonitor] = {}
@@ -123,7 +128,10 @@ class RunState:
         self.intervals: deque[float] = deque(maxlen=100)
         self.hang_fired = False
         self.clock_offset = 0.0  # event time minus wall time at the latest arrival
+        self.last_step_arrival: float | None = None  # wall clock when the last step was evaluated
+        self.last_beat_arrival: float | None = None  # wall clock of the latest proof of life
         self.finished = False
+        self.finish_at: tuple[float, float | None] | None = None  # run_finished (ts, arrival)
         self.late_events = 0
         self.steps_evaluated = 0
         self.last_diagnoses: list[str] = []
@@ -156,15 +164,25 @@ class Engine:
         it maps the wall clock of later :meth:`tick` calls onto the run's event time, so
         a trainer whose clock is off (or a replay) is judged by its own pace.
         """
+        state.arrival = arrival
         if arrival is not None and event.ts >= (state.last_seen_ts or -math.inf):
             state.clock_offset = event.ts - arrival
         if isinstance(event, RunEvent):
             return self._on_run_event(state, event)
         return self._on_metric(state, event)
 
+    def poll(self, state: RunState, now: float) -> list[Output]:
+        """Evaluate pending steps whose join grace has passed (the stream app's fast timer)."""
+        if not state.pending:
+            return []
+        state.arrival = now
+        return self._evaluate_ready(state)
+
     def tick(self, state: RunState, now: float) -> list[Output]:
         """Periodic check with the wall clock (the stream app's timer): hang detection."""
-        return self._check_hang(state, now + state.clock_offset, source="timer")
+        if state.last_step_arrival is None:
+            return self._check_hang(state, now + state.clock_offset, source="timer")
+        return self._check_hang(state, now, source="timer", wall=True)
 
     def flush(self, state: RunState) -> list[Output]:
         """Evaluate every pending step (end of an offline file)."""
@@ -187,11 +205,14 @@ class Engine:
             del state.checkpoints[:-50]
         elif ev.type == "heartbeat":
             state.last_beat_ts = max(state.last_beat_ts or ev.ts, ev.ts)
-            out += self._check_hang(state, ev.ts, source="heartbeat")
+            state.last_beat_arrival = state.arrival
+            if state.arrival is None:  # offline: event time is the only clock
+                out += self._check_hang(state, ev.ts, source="heartbeat")
         elif ev.type == "run_finished":
-            out += self.flush(state)
-            state.finished = True
-            out += self._resolve_all(state, ev.ts, reason="run finished")
+            # Offline the file is in order: finish now. In the stream the run's last steps
+            # may still be in flight on other topics: finish once they are joined.
+            state.finish_at = (ev.ts, state.arrival)
+            out += self._maybe_finish(state)
         state.last_seen_ts = max(state.last_seen_ts or ev.ts, ev.ts)
         return out
 
@@ -201,7 +222,7 @@ class Engine:
             state.attempt = attempt
             state.pending.clear()
             state.part_latest.clear()
-            state.expected.clear()
+            state.part_arrival.clear()
             state.last_evaluated = -1
             state.max_step = -1
             state.critical_streak = 0
@@ -220,7 +241,9 @@ class Engine:
         if ev.layer == "resource" and ev.step <= state.last_evaluated:
             # A resource sample of a step already evaluated: still proof of life.
             state.last_beat_ts = max(state.last_beat_ts or ev.ts, ev.ts)
-            out += self._check_hang(state, ev.ts, source="resource")
+            state.last_beat_arrival = state.arrival
+            if state.arrival is None:
+                out += self._check_hang(state, ev.ts, source="resource")
             return out
         if ev.step <= state.last_evaluated:
             state.late_events += 1
@@ -228,43 +251,84 @@ class Engine:
         part: Part = (ev.layer, ev.rank if ev.rank is not None else -1)
         pending = state.pending.get(ev.step)
         if pending is None:
-            pending = state.pending[ev.step] = _Pending(ts=ev.ts)
+            pending = state.pending[ev.step] = _Pending(ts=ev.ts, first_arrival=state.arrival)
         pending.ts = min(pending.ts, ev.ts)
         pending.parts.setdefault(part, {}).update(ev.metrics)
         if ev.host is not None and ev.rank is not None:
             pending.hosts[ev.rank] = ev.host
         state.part_latest[part] = max(state.part_latest.get(part, -1), ev.step)
+        if state.arrival is not None:
+            state.part_arrival[part] = state.arrival
         state.max_step = max(state.max_step, ev.step)
         state.last_seen_ts = max(state.last_seen_ts or ev.ts, ev.ts)
         if ev.layer == "resource":
             state.last_beat_ts = max(state.last_beat_ts or ev.ts, ev.ts)
-        for step in sorted(state.pending):
-            if self._ready(state, step):
-                out += self._evaluate(state, step)
-            else:
-                break
+        out += self._evaluate_ready(state)
         return out
 
+    def _evaluate_ready(self, state: RunState) -> list[Output]:
+        out: list[Output] = []
+        for step in sorted(state.pending):
+            if not self._ready(state, step):
+                break
+            out += self._evaluate(state, step)
+        if state.finish_at is not None:
+            out += self._maybe_finish(state)
+        return out
+
+    def _maybe_finish(self, state: RunState) -> list[Output]:
+        """Close the run after ``run_finished`` once its pending steps are joined (or
+        ``stale_part_s`` after it arrived, whatever is still missing)."""
+        assert state.finish_at is not None
+        ts, arrived = state.finish_at
+        waited = (state.arrival or 0.0) - arrived if arrived is not None else math.inf
+        if state.pending and arrived is not None and waited < self.config.stale_part_s:
+            live_ahead = any(latest >= max(state.pending) for latest in state.part_latest.values())
+            if not live_ahead or waited < self.config.join_grace_s:
+                return []
+        out = self.flush(state)
+        state.finished = True
+        state.finish_at = None
+        return out + self._resolve_all(state, ts, reason="run finished")
+
     def _ready(self, state: RunState, step: int) -> bool:
-        pending = state.pending[step]
-        if state.expected and state.expected <= set(pending.parts):
-            return True
-        live = [latest for latest in state.part_latest.values()
-                if state.max_step - latest <= self.config.stale_part_steps]
-        watermark = min(live) if live else -1
-        return watermark - step >= self.config.watermark_lag_steps
+        """Every live part has reached ``step`` (each part's records arrive in order, so
+        nothing more of this step can come from it). While the join is new, every part
+        must be ``watermark_lag_steps`` ahead, so parts whose topic is consumed later
+        (a backlog across topics) are seen before the first evaluation. A part that
+        has fallen ``stale_part_steps`` behind *and* (in the stream) has not arrived for
+        ``stale_part_s`` seconds — a dead sampler — stops holding the join."""
+        cfg = self.config
+        now = state.arrival
+        progress = None
+        for part, latest in state.part_latest.items():
+            if state.max_step - latest > cfg.stale_part_steps:
+                seen = state.part_arrival.get(part)
+                if now is None or seen is None or now - seen > cfg.stale_part_s:
+                    continue
+            progress = latest if progress is None else min(progress, latest)
+        if progress is None:
+            return False
+        lag = 0 if state.steps_evaluated >= cfg.join_warm_steps else cfg.watermark_lag_steps
+        if progress - step < lag:
+            return False
+        # In the stream, the layers of one step leave the trainer within milliseconds but
+        # can reach us in any order across topics (producer batching, fetch order), and a
+        # part never seen before cannot be waited for by name: a short grace covers it.
+        first = state.pending[step].first_arrival
+        return now is None or first is None or now - first >= cfg.join_grace_s
 
     # ----------------------------------------------------------------- evaluation
     def _evaluate(self, state: RunState, step: int) -> list[Output]:
         pending = state.pending.pop(step)
         for older in [s for s in state.pending if s < step]:
             state.pending.pop(older)  # cannot happen in order; keep the table bounded anyway
-        state.expected = set(pending.parts)
         state.last_evaluated = step
         state.steps_evaluated += 1
         if state.last_step_ts is not None and pending.ts > state.last_step_ts:
             state.intervals.append(pending.ts - state.last_step_ts)
         state.last_step_ts = pending.ts if state.last_step_ts is None else max(state.last_step_ts, pending.ts)
+        state.last_step_arrival = state.arrival
         state.hang_fired = False
 
         values, ranks = self._aggregate(pending)
@@ -506,19 +570,31 @@ class Engine:
         return None
 
     # ----------------------------------------------------------------- hangs
-    def _check_hang(self, state: RunState, now: float, *, source: str) -> list[Output]:
+    def _check_hang(self, state: RunState, now: float, *, source: str,
+                    wall: bool = False) -> list[Output]:
+        """Fire training_hang when no step came for far longer than the run's usual interval.
+
+        Offline, ``now`` is event time (a heartbeat's ``ts``). In the stream (``wall``),
+        silence is measured on the arrival clock since the last step was evaluated: a
+        backlog being consumed, or a trainer whose clock is off, is never a hang, while
+        the limit still comes from the run's own step intervals (event time).
+        """
         if (state.hang_fired or state.finished or state.last_step_ts is None
                 or state.steps_evaluated < self.config.hang_min_steps):
             return []
         ordered = sorted(state.intervals)
         p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] if ordered else 0.0
         limit = max(self.config.hang_floor_s, self.config.hang_factor * p95)
-        silent_for = now - state.last_step_ts
+        last_step = state.last_step_arrival if wall else state.last_step_ts
+        last_beat = state.last_beat_arrival if wall else state.last_beat_ts
+        if last_step is None:
+            return []
+        silent_for = now - last_step
         if silent_for <= limit:
             return []
         state.hang_fired = True
-        beats = state.last_beat_ts is not None and state.last_beat_ts > state.last_step_ts + 1.0
-        alive = beats and (now - (state.last_beat_ts or 0)) < limit
+        beats = last_beat is not None and last_beat > last_step + 1.0
+        alive = beats and (now - (last_beat or 0.0)) < limit
         how = ("process alive but stuck (heartbeats/resource samples still arrive): "
                "a hung collective (NCCL) or a deadlock" if alive else
                "everything went silent: the process or host is probably dead")

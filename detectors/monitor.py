@@ -48,44 +48,48 @@ class SignalMonitor:
                                        nonnegative=policy.nonnegative)
         self._frozen = 0
         self._seen = 0
+        self._warmup = policy.effective_warmup()
+        self._max_frozen = max(1, policy.window // 4)
+        self._last: tuple[float, float, float] | None = None
 
     @property
     def seen(self) -> int:
         return self._seen
 
     def baseline(self) -> tuple[float, float, float] | None:
-        """(mean, lower, upper) once warm, else None."""
-        if self._seen < self.policy.effective_warmup() or not self._band.n:
-            return None
-        lower, upper = self._band.bounds()
-        return self._band.mean(), lower, upper
+        """(mean, lower, upper) of the band the latest value was judged against; None while warming up."""
+        return self._last
 
     def observe(self, x: float) -> Finding | None:
         """Judge ``x`` against what was learned before it, then learn it."""
         if not math.isfinite(x):
             return None
-        finding = self._judge(x)
-        if finding is None or self._frozen >= max(1, self.policy.window // 4):
-            self._band.learn_one(x)
+        band = self._band
+        warm = self._seen >= self._warmup and band.n >= 2
+        self._last = band.band() if warm else None
+        finding = self._judge(x, self._last) if warm else None
+        if finding is None or self._frozen >= self._max_frozen:
+            band.learn_one(x)
             self._frozen = 0
         else:
             self._frozen += 1
         self._seen += 1
         return finding
 
-    def _judge(self, x: float) -> Finding | None:
-        p = self.policy
-        if self._seen < p.effective_warmup() or self._band.n < 2:
+    def _judge(self, x: float, stats: tuple[float, float, float] | None) -> Finding | None:
+        if stats is None:
             return None
-        mean = self._band.mean()
-        lower, upper = self._band.bounds()
-        if x > upper and p.direction in ("up", "both"):
+        mean, lower, upper = stats
+        p = self.policy
+        if x > upper and p.direction != "down":
             direction, bound = "up", upper
-        elif x < lower and p.direction in ("down", "both"):
+        elif x < lower and p.direction != "up":
             direction, bound = "down", lower
         else:
             return None
         effect = abs(x - mean)
         if effect <= p.min_abs_effect or effect <= p.min_rel_effect * abs(mean):
             return None
-        return Finding(self.key, x, mean, bound, self._band.score_one(x), direction)
+        spread = upper - mean
+        score = effect / spread if spread > 0 else 1e9
+        return Finding(self.key, x, mean, bound, score, direction)

@@ -37,8 +37,13 @@ def _verl_line(obj: dict[str, Any], run_id: str, lineno: int) -> list[MetricEven
             for layer, values in split_metrics(metrics).items()]
 
 
-def read_events(lines: Iterable[str], *, run_id: str | None, source: str = "input") -> Iterator[MetricEvent | RunEvent]:
-    """Events from contract JSON lines or verl file-logger lines; bad lines raise EventError."""
+def read_events(lines: Iterable[str], *, run_id: str | None, source: str = "input",
+                default_run_id: str | None = None) -> Iterator[MetricEvent | RunEvent]:
+    """Events from contract JSON lines or verl file-logger lines; bad lines raise EventError.
+
+    ``run_id`` (``--run-id``) overrides every event's run id; ``default_run_id`` (the file
+    name) only names verl file-logger lines, which carry none.
+    """
     for lineno, line in enumerate(lines, 1):
         line = line.strip()
         if not line:
@@ -50,9 +55,10 @@ def read_events(lines: Iterable[str], *, run_id: str | None, source: str = "inpu
         if not isinstance(obj, dict):
             raise EventError(f"{source}:{lineno}: each line must be a JSON object")
         if "data" in obj and "run_id" not in obj:
-            if run_id is None:
+            name = run_id or default_run_id
+            if name is None:
                 raise EventError(f"{source}:{lineno}: verl file-logger line without a run id; pass --run-id")
-            yield from _verl_line(obj, run_id, lineno)
+            yield from _verl_line(obj, name, lineno)
             continue
         try:
             event = decode_event(obj)
@@ -92,6 +98,6 @@ def detect_file(path: str | Path | IO[str], *, run_id: str | None = None,
         if not p.is_file():
             raise EventError(f"{p}: no such file")
         with p.open(encoding="utf-8") as fh:
-            return detect_events(read_events(fh, run_id=run_id or run_id_from_path(p), source=str(p)),
-                                 config=config)
+            return detect_events(read_events(fh, run_id=run_id, source=str(p),
+                                             default_run_id=run_id_from_path(p)), config=config)
     return detect_events(read_events(path, run_id=run_id, source="stdin"), config=config)

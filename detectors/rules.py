@@ -433,6 +433,10 @@ def _climb(ys: list[float], cap: float) -> tuple[int, float, float] | None:
         if len(ys) < w + LEAK_MIN_BEFORE:
             break
         y = ys[-w:]
+        # Cheapest test first: a monotone climb needs most differences to be increases.
+        ups = sum(1 for a, c in zip(y, y[1:], strict=False) if c > a)
+        if ups < LEAK_UP_SHARE * (w - 1):
+            continue
         xm = (w - 1) / 2
         sxx = sum((i - xm) ** 2 for i in range(w))
         ym = sum(y) / w
@@ -442,12 +446,11 @@ def _climb(ys: list[float], cap: float) -> tuple[int, float, float] | None:
         resid = [v - (ym + b * (i - xm)) for i, v in enumerate(y)]
         s2 = sum(r * r for r in resid) / (w - 2)
         t = b / math.sqrt(s2 / sxx) if s2 > 0 else math.inf
-        ups = sum(1 for a, c in zip(y, y[1:], strict=False) if c > a)
         before = ys[:-w]
         diffs = [abs(c - a) for a, c in zip(before, before[1:], strict=False)]
         noise = 1.4826 * statistics.median(diffs) / math.sqrt(2)
         rise = b * (w - 1)
-        if (t >= LEAK_T and ups >= LEAK_UP_SHARE * (w - 1)
+        if (t >= LEAK_T
                 and rise >= max(LEAK_MIN_RISE_FRAC * cap, LEAK_NOISE_MULT * noise)):
             return w, b, t
     return None

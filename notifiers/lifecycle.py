@@ -480,21 +480,27 @@ class AlertBook:
         for run_id, run_alerts in by_run.items():
             run = self.run(run_id)
             plan.runs.add(run_id)
-            touched: list[tuple[_Episode, AlertEvent, bool, bool]] = []
+            # fingerprint -> (episode, latest firing alert, first?, upgraded?): several
+            # firings of one problem in a batch make one notice, of the latest.
+            touched: dict[str, tuple[_Episode, AlertEvent, bool, bool]] = {}
+            ctx = (now, silences, acks, plan)
             for alert in run_alerts:
                 if alert.id in run.seen:
                     plan.duplicates += 1
                     continue
                 run.seen.append(alert.id)
                 run.max_step = max(run.max_step, alert.step)
+                fp = alert.fingerprint
                 if alert.status == "resolved":
+                    if fp in touched:  # fired and resolved within this batch: decide first
+                        self._decide_touched(run, touched.pop(fp), *ctx)
                     self._resolve(run, alert, now, plan)
                     continue
-                ep = run.episodes.get(alert.fingerprint)
+                ep = run.episodes.get(fp)
                 first = ep is None
                 if ep is None:
-                    ep = run.episodes[alert.fingerprint] = _Episode(
-                        fingerprint=alert.fingerprint, run_id=run_id, diagnosis=alert.diagnosis,
+                    ep = run.episodes[fp] = _Episode(
+                        fingerprint=fp, run_id=run_id, diagnosis=alert.diagnosis,
                         severity=alert.severity, status="pending", since_step=alert.step,
                         since_wall=now, alert=alert.to_dict())
                 upgraded = not first and alert.severity == "critical" and ep.severity != "critical"
@@ -502,14 +508,15 @@ class AlertBook:
                     ep.alert = alert.to_dict()
                     ep.severity = alert.severity
                 ep.ids = [*ep.ids, alert.id][-20:]
-                touched.append((ep, alert, first, upgraded))
+                if fp in touched:
+                    _, _, was_first, was_upgraded = touched[fp]
+                    first, upgraded = first or was_first, upgraded or was_upgraded
+                touched[fp] = (ep, alert, first, upgraded)
             del run.seen[:-self.config.max_seen_ids]
             # Decide after the whole batch is in, so a root cause that arrives in the same
             # tick as its symptoms inhibits them.
-            for ep, alert, first, upgraded in touched:
-                if run.episodes.get(ep.fingerprint) is ep:
-                    self._decide(run, ep, alert, now, silences, acks, plan, first=first,
-                                 upgraded=upgraded)
+            for item in touched.values():
+                self._decide_touched(run, item, *ctx)
         return plan
 
     def due(self, *, now: float, silences: Sequence[Silence] = (),
@@ -522,9 +529,10 @@ class AlertBook:
             run = self.runs.get(run_id)
             if run is None:
                 continue
+            staged = {o["fingerprint"] for o in run.outbox}
             for ep in list(run.episodes.values()):
-                if ep.notified:
-                    continue
+                if ep.notified or ep.fingerprint in staged:
+                    continue  # sent, or on its way (resume() finishes it)
                 before = len(plan.records) + len(plan.sends)
                 self._decide(run, ep, ep.event(), now, silences, acks, plan, first=False,
                              quiet=True)
@@ -619,7 +627,9 @@ class AlertBook:
     # -- internals ------------------------------------------------------------------------
     def _resolve(self, run: RunBook, alert: AlertEvent, now: float, plan: Plan) -> None:
         ep = run.episodes.pop(alert.fingerprint, None)
-        if ep is not None and ep.notified:
+        planned = any(x.fingerprint == alert.fingerprint and x.kind == "firing"
+                      for x in plan.sends if x.run_id == run.run_id)
+        if ep is not None and (ep.notified or planned):
             # Sent even when silenced or acknowledged since: whoever saw it fire hears it end.
             plan.sends.append(Send(run.run_id, alert.fingerprint, "resolved", Notice.of(alert)))
             plan.notices.append(plan.sends[-1].notice)
@@ -628,6 +638,14 @@ class AlertBook:
         if ep is not None and ep.suppressed:
             why = f"never notified ({ep.suppressed})"
         plan.records.append(_record(alert, "resolved", now, reason=why))
+
+    def _decide_touched(self, run: RunBook, item: tuple[_Episode, AlertEvent, bool, bool],
+                        now: float, silences: Sequence[Silence], acks: Mapping[str, Ack],
+                        plan: Plan) -> None:
+        ep, alert, first, upgraded = item
+        if run.episodes.get(ep.fingerprint) is ep:
+            self._decide(run, ep, alert, now, silences, acks, plan, first=first,
+                         upgraded=upgraded)
 
     def _matured(self, run: RunBook, ep: _Episode, severity: str, now: float) -> bool:
         c = self.config

@@ -22,3 +22,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c "import
 fi
 # Apache Kafka's jars from Maven Central (cached under ~/.cache/trainsentry and ~/.m2).
 .venv/bin/python -c "from trainsentry.kafka_local import fetch_jars; print('kafka jars:', fetch_jars())"
+# The browser test (headless Chromium + chromedriver) and promtool for the rule checks,
+# from Debian's packages; only as root (CI), only when missing.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  missing=""
+  [ -x /usr/bin/chromium ] || missing="$missing chromium"
+  [ -x /usr/bin/chromedriver ] || missing="$missing chromium-driver"
+  command -v promtool >/dev/null 2>&1 || missing="$missing prometheus"
+  if [ -n "$missing" ]; then
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
+  fi
+fi

@@ -125,6 +125,15 @@ class HistoryIndex:
             while len(d) > cap:
                 d.popitem(last=False)
 
+    def note(self, alert: AlertEvent) -> None:
+        """Know an alert id before its first transition is settled: people may ack it as
+        soon as chat shows it, before every receiver has finished."""
+        if alert.id not in self._alerts:
+            self._alerts[alert.id] = {"alert_id": alert.id, "run_id": alert.run_id,
+                                      "fingerprint": alert.fingerprint, "step": alert.step,
+                                      "diagnosis": alert.diagnosis, "severity": alert.severity}
+        self._fps.setdefault(alert.fingerprint, self._alerts[alert.id])
+
     def by_run(self, run_id: str, *, limit: int | None = None) -> list[dict[str, Any]]:
         records = sorted(self._runs.get(run_id, ()), key=lambda r: (r.get("ts", 0), r.get("step", 0)))
         return records[-limit:] if limit else records
@@ -246,25 +255,54 @@ def _consumer_kwargs(settings: Settings) -> dict[str, Any]:
     return out
 
 
-async def _tail(settings: Settings, topic: str, on_record: Callable[[bytes, bytes | None], None],
+def ensure_compacted_topic(settings: Settings, topic: str, partitions: int) -> int:
+    """Create ``topic`` compacted if it is missing; returns its partition count (blocking)."""
+    import warnings
+
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+    from kafka.errors import TopicAlreadyExistsError
+
+    config: dict[str, Any] = {"bootstrap_servers": settings.kafka_bootstrap,
+                              "client_id": "trainsentry-alerting",
+                              "security_protocol": settings.kafka_security_protocol.upper()}
+    if settings.kafka_ssl_cafile:
+        config["ssl_cafile"] = settings.kafka_ssl_cafile
+    if config["security_protocol"].startswith("SASL"):
+        config.update(sasl_mechanism=settings.kafka_sasl_mechanism or "PLAIN",
+                      sasl_plain_username=settings.kafka_sasl_username,
+                      sasl_plain_password=settings.kafka_sasl_password.get())
+    admin = KafkaAdminClient(**config)
+    try:
+        if topic not in set(admin.list_topics()):
+            with warnings.catch_warnings(), contextlib.suppress(TopicAlreadyExistsError):
+                warnings.simplefilter("ignore", DeprecationWarning)
+                admin.create_topics([NewTopic(name=topic, num_partitions=partitions,
+                                              replication_factor=1,
+                                              topic_configs={"cleanup.policy": "compact"})])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for t in admin.describe_topics([topic]):
+                if (t.get("topic") or t.get("name")) == topic and t.get("partitions"):
+                    return len(t["partitions"])
+            time.sleep(0.2)
+        raise ConfigError(f"topic {topic} did not appear on {settings.kafka_bootstrap}")
+    finally:
+        admin.close()
+
+
+async def _tail(settings: Settings, topic: str, partitions: int,
+                on_record: Callable[[bytes, bytes | None], None],
                 on_caught_up: Callable[[], None]) -> None:
     """Read every partition of ``topic`` from the start, forever (no consumer group)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
+    count = await asyncio.to_thread(ensure_compacted_topic, settings, topic, partitions)
     consumer = AIOKafkaConsumer(enable_auto_commit=False, group_id=None,
                                 auto_offset_reset="earliest", **_consumer_kwargs(settings))
     await consumer.start()
     try:
-        parts: set[int] | None = None
-        for _ in range(100):
-            parts = consumer.partitions_for_topic(topic)
-            if parts:
-                break
-            await consumer.topics()  # refreshes the metadata
-            await asyncio.sleep(0.2)
-        if not parts:
-            raise ConfigError(f"topic {topic} has no partitions; is it created?")
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        tps = [TopicPartition(topic, p) for p in range(count)]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         end = await consumer.end_offsets(tps)
@@ -340,11 +378,10 @@ def install_alerting(app: Any, *, svc: Any, settings: Settings) -> Alerting:
 
     @app.task  # type: ignore[untyped-decorator]
     async def alerting_readers() -> None:
-        for topic in (ctx.silences_topic, ctx.history_topic):
-            await topic.maybe_declare()
         await asyncio.gather(
-            _tail(settings, ctx.silences_topic.get_topic_name(), on_silence, ctx.ready.set),
-            _tail(settings, ctx.history_topic.get_topic_name(), on_history, lambda: None))
+            _tail(settings, ctx.silences_topic.get_topic_name(), 1, on_silence, ctx.ready.set),
+            _tail(settings, ctx.history_topic.get_topic_name(), settings.partitions, on_history,
+                  lambda: None))
 
     def body_error(exc: Exception) -> dict[str, str]:
         return {"error": str(exc)}

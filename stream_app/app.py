@@ -47,8 +47,13 @@ def _broker_url(bootstrap: str) -> str:
 
 
 def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
-              notifier: Any | None = None, hang_interval_s: float = 5.0) -> Any:
-    """Declare the Faust app (agents, tables, timer, web views). Returns ``faust.App``."""
+              notifier: Any | None = None, hang_interval_s: float = 5.0,
+              state_flush_s: float = 1.0) -> Any:
+    """Declare the Faust app (agents, tables, timer, web views). Returns ``faust.App``.
+
+    ``state_flush_s``: how often run states changed without output are written to the
+    ``run_state`` table (states that produced alerts or commands are written at once).
+    """
     import faust
 
     topics = settings.topics
@@ -94,8 +99,13 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
              topics.deadletter: deadletter_topic}
     raw_schema = faust.Schema(key_type=bytes, value_type=bytes, key_serializer="raw",
                               value_serializer="raw")
-    run_table = app.Table("run_state", default=None, partitions=settings.partitions,
-                          schema=raw_schema)
+    run_partition: dict[bytes, int] = {}  # run key -> partition of its latest record
+    run_table = _run_state_table(app, partitions=settings.partitions, schema=raw_schema,
+                                 known=run_partition)
+    # Runs whose state changed since it was last written, with the records that changed
+    # it. Those records stay un-acked (so their offsets are not committed) until the state
+    # is written: a crash then replays them onto the last written state, never skips them.
+    dirty: dict[str, list[Any]] = {}
 
     async def send(record: Record) -> None:
         await sinks[record.topic].send(key=record.key, value=record.value,
@@ -109,8 +119,33 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
             svc.cache[run_id] = state
         return state
 
-    async def publish(outcome: Outcome, state: RunState) -> None:
+    def store(state: RunState) -> None:
+        # Pickling a RunState costs ~1 ms and ~80 KB of changelog: once per flush, not
+        # once per record (docs/performance.md).
         run_table[state.run_id.encode()] = dump_state(state)
+        for message in dirty.pop(state.run_id, ()):
+            message.ack(app.consumer)
+
+    def hold(state: RunState, message: Any | None) -> None:
+        held = dirty.setdefault(state.run_id, [])
+        if message is not None:
+            message.incref()
+            held.append(message)
+
+    async def flush_states() -> None:
+        for run_id in list(dirty):
+            state = svc.cache.get(run_id)
+            if state is not None:
+                store(state)
+            else:  # not cached (revoked): nothing newer than the table to write
+                for message in dirty.pop(run_id, ()):
+                    message.ack(app.consumer)
+
+    async def publish(outcome: Outcome, state: RunState, message: Any | None = None) -> None:
+        if outcome.outputs:
+            store(state)  # what goes out must be in the changelog first
+        else:
+            hold(state, message)
         sent_commands = svc.commands
         for record in outcome.records:
             await send(record)
@@ -135,6 +170,7 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
                                                event.value, str(exc)))
                 continue
             recorder.on_event(decoded)
+            run_partition[event.key or decoded.run_id.encode()] = msg.partition
             state = get_state(decoded.run_id)
             try:
                 outcome = pipeline.handle(state, decoded)
@@ -148,7 +184,11 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
                 await send(pipeline.deadletter(msg.topic, msg.partition, msg.offset, event.key,
                                                event.value, f"engine error: {type(exc).__name__}: {exc}"))
                 continue
-            await publish(outcome, state)
+            await publish(outcome, state, msg)
+
+    @app.timer(interval=state_flush_s, name="trainsentry.state_flush")
+    async def state_flush() -> None:
+        await flush_states()
 
     @app.timer(interval=hang_interval_s, name="trainsentry.hang")
     async def hang_check() -> None:
@@ -158,9 +198,23 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
             if outcome.outputs:
                 await publish(outcome, state)
 
+    @app.timer(interval=0.1, name="trainsentry.join")
+    async def join_flush() -> None:
+        # Steps wait a short grace for layers still in flight (engine.join_grace_s).
+        now = time.time()
+        for state in list(svc.cache.values()):
+            if not state.pending:
+                continue
+            before = state.last_evaluated
+            outcome = pipeline.poll(state, now)
+            if state.last_evaluated != before or outcome.outputs:
+                await publish(outcome, state)
+
     @app.on_partitions_revoked.connect  # type: ignore[misc]
     async def on_revoked(app_: Any, revoked: Any, **_: Any) -> None:
         # The cache is only valid for partitions we own; the table is the truth.
+        await flush_states()
+        await app.producer.flush()
         svc.cache.clear()
 
     @app.on_partitions_assigned.connect  # type: ignore[misc]
@@ -178,6 +232,32 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
 
     install_views(app, svc=svc, settings=settings, run_table=run_table)
     return app
+
+
+def _run_state_table(app: Any, *, partitions: int, schema: Any, known: dict[bytes, int]) -> Any:
+    """The ``run_state`` table, writable from timers too (hang check, join grace, flush).
+
+    Why not Faust's default: it takes the changelog partition from the *current event*,
+    and a timer has none (``TypeError: Cannot modify table key from outside of stream
+    iteration``). Outside an event, use the partition the run's records came from, or
+    Kafka's default partitioner (murmur2 of the key), which put them there.
+    """
+    import faust
+    from aiokafka.partitioner import murmur2
+    from faust.streams import current_event
+
+    class RunStateTable(faust.Table):  # type: ignore[misc]
+        def partition_for_key(self, key: Any) -> int | None:
+            if current_event() is not None:
+                return super().partition_for_key(key)  # type: ignore[no-any-return]
+            found = known.get(key)
+            return found if found is not None else (murmur2(key) & 0x7FFFFFFF) % partitions
+
+    # key_type/value_type as well as the schema: recovery from the changelog decodes with
+    # them, and without them Faust reads the raw pickles back as JSON.
+    return app.tables.add(RunStateTable(app, name="run_state", default=None,
+                                        beacon=app.tables.beacon, partitions=partitions,
+                                        schema=schema, key_type=bytes, value_type=bytes))
 
 
 def _credentials(settings: Settings) -> Any:

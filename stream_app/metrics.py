@@ -193,9 +193,12 @@ class Recorder:
             hist.last_step = state.last_evaluated
             return
         fresh = []
+        prev = math.inf
         for step, value in reversed(points):
-            if step <= hist.last_step:
+            # Newest first; stop at what was seen, or where an older attempt's steps begin.
+            if step <= hist.last_step or step >= prev:
                 break
+            prev = step
             fresh.append(value)
         for value in reversed(fresh):
             if math.isfinite(value) and value >= 0:
@@ -255,17 +258,25 @@ def run_status(state: RunState) -> tuple[str, str | None, str | None]:
         colour = "red" if lead.severity == "critical" or state.critical_streak else "amber"
         return colour, lead.label, lead.severity
     if state.critical_streak:
-        return "red", (state.last_diagnoses or [None])[0], "critical"
+        lead_label = state.streak_lead[0] if state.streak_lead else None
+        if lead_label is None and state.last_diagnoses:
+            lead_label = state.last_diagnoses[0]
+        return "red", lead_label, "critical"
     return "green", None, None
 
 
-def run_signals(state: RunState, *, keys: Iterable[str] | None = None,
-                limit: int = 12) -> list[dict[str, Any]]:
-    """Chart data of a run's signals: points, the healthy band, anomalous points.
+def run_signals(state: RunState, *, keys: Iterable[str] | None = None, limit: int = 12,
+                alert_steps: Iterable[tuple[int, str]] = ()) -> list[dict[str, Any]]:
+    """Chart data of a run's signals: points, the healthy band now, anomalous points.
 
     Without ``keys``: the evidence of the firing alerts first, then one key per
-    :data:`KEY_ROLES` role, up to ``limit``.
+    :data:`KEY_ROLES` role, up to ``limit``. A point is anomalous when it is not finite,
+    when an alert at its step named the key as evidence (``alert_steps``: (step, key)),
+    or when it left the band of the values before it (:func:`_rolling_anomalies`).
     """
+    flagged: dict[str, set[int]] = {}
+    for step, key in alert_steps:
+        flagged.setdefault(key, set()).add(step)
     if keys is None:
         chosen: list[str] = []
         for st in state.alerts.values():
@@ -275,12 +286,12 @@ def run_signals(state: RunState, *, keys: Iterable[str] | None = None,
         by_role: dict[str, str] = {}
         for key in state.recent:
             role = signal_info(key).role
-            if role in KEY_ROLES and role not in by_role:
+            if role is not None and role in KEY_ROLES and role not in by_role:
                 by_role[role] = key
         for role in KEY_ROLES:
-            key = by_role.get(role)
-            if key and key not in chosen:
-                chosen.append(key)
+            pick = by_role.get(role)
+            if pick and pick not in chosen:
+                chosen.append(pick)
         keys = chosen[:limit]
     out: list[dict[str, Any]] = []
     for key in keys:
@@ -292,16 +303,41 @@ def run_signals(state: RunState, *, keys: Iterable[str] | None = None,
         band = None
         if base is not None:
             band = {"mean": _num(base[0]), "lower": _num(base[1]), "upper": _num(base[2])}
-        pts: list[list[Any]] = []
-        anomalies: list[int] = []
-        for step, value in points:
-            finite = math.isfinite(value)
-            pts.append([step, value if finite else None])
-            if not finite or (base is not None and not base[1] <= value <= base[2]):
-                anomalies.append(step)
+        pts = [[step, value if math.isfinite(value) else None] for step, value in points]
+        marked = _rolling_anomalies(points, monitor.policy if monitor is not None else None)
+        marked |= flagged.get(key, set()) & {step for step, _v in points}
+        anomalies = sorted(marked)
         out.append({"key": key, "role": signal_info(key).role, "points": pts, "band": band,
                     "anomalies": anomalies,
                     "watch": bool(monitor.policy.watch) if monitor is not None else False})
+    return out
+
+
+def _rolling_anomalies(points: Iterable[tuple[int, float]], policy: Any) -> set[int]:
+    """Steps whose value left mean ± k·std of the values before it (the policy's window,
+    direction and least effects; DOMAIN's baseline), judged as of that step, so a slow
+    healthy drift is not painted red against today's band. Non-finite values always count."""
+    out: set[int] = set()
+    seen: deque[float] = deque(maxlen=policy.window if policy is not None else 50)
+    warm = min(policy.effective_warmup(), 20) if policy is not None else 10
+    for step, value in points:
+        if not math.isfinite(value):
+            out.add(step)
+            continue
+        if policy is not None and policy.watch and len(seen) >= max(warm, 3):
+            n = len(seen)
+            mean = sum(seen) / n
+            std = math.sqrt(sum((x - mean) ** 2 for x in seen) / (n - 1))
+            lower, upper = mean - policy.k * std, mean + policy.k * std
+            if policy.nonnegative:
+                lower = max(0.0, lower)
+            effect = abs(value - mean)
+            big = effect > policy.min_abs_effect and effect > policy.min_rel_effect * abs(mean)
+            up = value > upper and policy.direction in ("up", "both")
+            down = value < lower and policy.direction in ("down", "both")
+            if big and (up or down):
+                out.add(step)
+        seen.append(value)
     return out
 
 
@@ -585,8 +621,8 @@ def build_registry(svc: Any, *, app: Any = None) -> Any:
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RunCollector(svc))  # type: ignore[arg-type]
-    registry.register(ServiceCollector(svc, app=app))  # type: ignore[arg-type]
+    registry.register(RunCollector(svc))
+    registry.register(ServiceCollector(svc, app=app))
     return registry
 
 

@@ -37,6 +37,30 @@ log = logging.getLogger(__name__)
 READY_WAIT_S = 30.0
 
 
+def _run_keyed_table(app: Any, name: str, partitions: int) -> Any:
+    """A bytes table whose changelog partition is the run's alerts-topic partition.
+
+    Why not Faust's default: it takes the partition of the *current event*, which a timer
+    has none of and a batch mixes; ``use_partitioner`` needs producer metadata that is not
+    there at the first write. Kafka's default partitioner (murmur2 of the key), which put
+    the run's alerts where they are, is a pure function, so compute it here.
+    """
+    import faust
+    from aiokafka.partitioner import murmur2
+
+    class RunKeyedTable(faust.Table[bytes, bytes]):
+        def partition_for_key(self, key: Any) -> int | None:
+            return int(murmur2(key) & 0x7FFFFFFF) % partitions
+
+    raw: faust.Schema[bytes, bytes] = faust.Schema(key_type=bytes, value_type=bytes,
+                                                   key_serializer="raw", value_serializer="raw")
+    return app.tables.add(RunKeyedTable(app, name=name, default=None, beacon=app.tables.beacon,
+                                        partitions=partitions, schema=raw,
+                                        # the types, not just the schema, pick the serializers
+                                        # that changelog recovery decodes with
+                                        key_type=bytes, value_type=bytes))
+
+
 def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, partitions: int,
                      batch: int = 100, within_s: float = 0.2, due_interval_s: float = 1.0) -> None:
     """Declare the ``alert_book`` table, the notify agent and its timers."""
@@ -49,11 +73,7 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
         svc.extra["alerting"] = ctx
     lanes = ctx.fanout(notifier)
     book = AlertBook(ctx.config)
-    table = app.Table("alert_book", default=None, partitions=partitions, key_type=bytes,
-                      value_type=bytes, key_serializer="raw", value_serializer="raw",
-                      # keyed by run_id like the alerts topic: the producer's partitioner
-                      # puts each run's state next to its alerts, batch or timer alike.
-                      use_partitioner=True)
+    table = _run_keyed_table(app, "alert_book", partitions)
     lock = asyncio.Lock()
     waiting: set[str] = set()  # runs with something not notified or not settled: timer work
     dirty: set[str] = set()
@@ -174,6 +194,8 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
             alerts = decode(events)
             if not alerts:
                 continue
+            for alert in alerts:
+                ctx.history.note(alert)
             done = False
             runs = {a.run_id for a in alerts}
             try:
@@ -211,9 +233,10 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
             run_ids = sorted(waiting)
             load(run_ids)
             now = time.time()
-            for plan in (book.resume(run_ids),  # staged before a crash: finish it first
-                         book.due(now=now, silences=ctx.silences.active(now),
-                                  acks=ctx.silences.acks, run_ids=run_ids)):
+            for step in ("resume", "due"):  # staged before a crash: finish that first
+                plan = book.resume(run_ids) if step == "resume" else book.due(
+                    now=now, silences=ctx.silences.active(now), acks=ctx.silences.acks,
+                    run_ids=run_ids)
                 try:
                     ok = await execute(plan)
                 except BaseException:

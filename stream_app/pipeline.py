@@ -106,6 +106,10 @@ class Pipeline:
         outputs = self.engine.process(state, event, arrival=self._clock())
         return self.encode(state.run_id, outputs)
 
+    def poll(self, state: RunState, now: float) -> Outcome:
+        """Evaluate the run's steps whose join grace has passed."""
+        return self.encode(state.run_id, self.engine.poll(state, now))
+
     def tick(self, state: RunState, now: float) -> Outcome:
         return self.encode(state.run_id, self.engine.tick(state, now))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +59,13 @@ def install_views(app: Any, *, svc: Any, settings: Settings, run_table: Any) -> 
     from faust.web import View
 
     registry = build_registry(svc, app=app)
+    page: Callable[[str], Callable[[Any], Any]] = app.page  # app is untyped (faust)
 
-    @app.page("/healthz")
+    @page("/healthz")
     async def healthz(web: Any, request: Any) -> Any:
         return web.json({"status": "ok", "uptime_s": round(time.time() - svc.started, 1)})
 
-    @app.page("/readyz")
+    @page("/readyz")
     async def readyz(web: Any, request: Any) -> Any:
         notifier = svc.extra.get("notifier_health", {})
         config_errors = {name: h for name, h in notifier.items()
@@ -73,14 +75,14 @@ def install_views(app: Any, *, svc: Any, settings: Settings, run_table: Any) -> 
                 "notifier": notifier, "config_errors": config_errors}
         return web.json(_clean(body), status=200 if svc.ready else 503)
 
-    @app.page("/metrics")
+    @page("/metrics")
     async def metrics(web: Any, request: Any) -> Any:
         body, content_type = render(registry)
         # aiohttp wants the charset apart from the media type.
         media = content_type.split(";")[0].strip()
         return web.bytes(body, content_type=media, headers={"Cache-Control": "no-store"})
 
-    @app.page("/api/runs")
+    @page("/api/runs")
     async def runs(web: Any, request: Any) -> Any:
         order = {"red": 0, "amber": 1, "green": 2}
         out = [_run_summary(run_id, state, svc) for run_id, state in svc.cache.items()]
@@ -90,7 +92,7 @@ def install_views(app: Any, *, svc: Any, settings: Settings, run_table: Any) -> 
     def lookup(run_id: str) -> Any:
         return svc.cache.get(run_id)
 
-    class Signals(View):  # type: ignore[misc]
+    class Signals(View):
         async def get(self, request: Any, run_id: str) -> Any:
             state = lookup(run_id)
             if state is None:
@@ -116,13 +118,15 @@ def install_views(app: Any, *, svc: Any, settings: Settings, run_table: Any) -> 
                             evidence.append(k)
                 rest = [s["key"] for s in run_signals(state, limit=limit)]
                 wanted = list(dict.fromkeys(evidence + rest))[:limit]
+            flagged = [(e["step"], k) for e in alert_steps if e["status"] == "firing"
+                       for k in e["evidence"]]
             body = {"run": _run_summary(run_id, state, svc),
-                    "signals": run_signals(state, keys=wanted),
+                    "signals": run_signals(state, keys=wanted, alert_steps=flagged),
                     "alert_steps": alert_steps,
                     "available": sorted(state.recent)}
             return self.json(_clean(body))
 
-    class Timeline(View):  # type: ignore[misc]
+    class Timeline(View):
         async def get(self, request: Any, run_id: str) -> Any:
             recorder = svc.extra.get("recorder")
             events = list(recorder.timelines.get(run_id, ())) if recorder is not None else []
@@ -134,10 +138,10 @@ def install_views(app: Any, *, svc: Any, settings: Settings, run_table: Any) -> 
             return self.json(_clean({"run_id": run_id, "events": events, "commands": commands,
                                      "applied": applied}))
 
-    app.page("/api/runs/{run_id:.+}/signals")(Signals)
-    app.page("/api/runs/{run_id:.+}/timeline")(Timeline)
+    page("/api/runs/{run_id:.+}/signals")(Signals)
+    page("/api/runs/{run_id:.+}/timeline")(Timeline)
 
-    @app.page("/api/stats")
+    @page("/api/stats")
     async def stats(web: Any, request: Any) -> Any:
         return web.json({"consumed": svc.consumed, "deadletters": svc.deadletters,
                          "alerts": svc.alerts, "commands": svc.commands, "errors": svc.errors})
@@ -157,15 +161,15 @@ def install_views(app: Any, *, svc: Any, settings: Settings, run_table: Any) -> 
         return web.bytes(found[0], content_type="text/html",
                          headers={"Cache-Control": "no-cache"})
 
-    @app.page("/")
+    @page("/")
     async def dashboard(web: Any, request: Any) -> Any:
         return index(web)
 
-    class RunPage(View):  # type: ignore[misc]
+    class RunPage(View):
         async def get(self, request: Any, run_id: str) -> Any:
             return index(self)
 
-    class Asset(View):  # type: ignore[misc]
+    class Asset(View):
         async def get(self, request: Any, name: str) -> Any:
             found = asset(name)
             if found is None:
@@ -173,8 +177,8 @@ def install_views(app: Any, *, svc: Any, settings: Settings, run_table: Any) -> 
             return self.bytes(found[0], content_type=found[1],
                               headers={"Cache-Control": "no-cache"})
 
-    app.page("/runs/{run_id:.+}")(RunPage)
-    app.page("/dashboard/{name}")(Asset)
+    page("/runs/{run_id:.+}")(RunPage)
+    page("/dashboard/{name}")(Asset)
 
 
 def _int(raw: str | None, default: int) -> int:

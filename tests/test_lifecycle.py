@@ -344,3 +344,37 @@ def test_history_records_are_json_and_keyed_uniquely() -> None:
     back = [HistoryRecord.from_dict(json.loads(json.dumps(r.to_dict()))) for r in records]
     assert back == records
     assert back[1].series == {} or isinstance(back[1].series, dict)
+
+
+def test_staged_notices_resume_for_the_receivers_that_did_not_acknowledge() -> None:
+    """After a crash: the outbox resumes per receiver, and the timer does not send it again."""
+    b = book()
+    plan = b.observe([alert()], now=100.0)
+    b.stage(plan)
+    notice = plan.notices[0]
+    b.mark(RUN, notice.id, "dingtalk", ok=True)
+    restored = book()
+    restored.restore(RUN, json.loads(json.dumps(b.dump(RUN))))
+    assert restored.due(now=200.0).notices == []  # staged: not a new firing
+    again = restored.resume([RUN])
+    assert [n.id for n in again.notices] == [notice.id]
+    assert restored.todo(RUN, notice.id, ["dingtalk", "wecom"]) == ["wecom"]
+    restored.mark(RUN, notice.id, "wecom", ok=True)
+    records = restored.settle(again, now=201.0)
+    assert transitions(records) == [("firing", True)]
+    assert restored.runs[RUN].outbox == [] and not restored.runs[RUN].waiting
+
+
+def test_critical_that_fires_and_resolves_within_one_batch_is_sent_with_its_resolve() -> None:
+    """A replayed or fast run: firing and resolved in one batch still reach people."""
+    b = book()
+    plan, _ = run_through(b, [alert(step=35), alert(step=42, status="resolved")])
+    assert [n.status for n in plan.notices] == ["firing", "resolved"]
+
+
+def test_several_firings_of_one_problem_in_a_batch_make_one_notice() -> None:
+    """First firing and a repeat in the same batch: one notice, the latest."""
+    b = book()
+    plan, records = run_through(b, [alert(step=10), alert(step=60, n=1)])
+    assert [n.step for n in plan.notices] == [60]
+    assert transitions(records) == [("firing", True)]

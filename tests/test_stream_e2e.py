@@ -72,7 +72,7 @@ async def test_faulty_run_yields_signed_chat_alerts_and_a_verified_stop_command(
         assert cmd.action == "stop" and "nan_loss" in cmd.reason
         assert cmd.alert_ids
     finally:
-        elapsed = svc.stop()
+        elapsed = await asyncio.to_thread(svc.stop)
     assert elapsed < 15
 
 
@@ -123,4 +123,4 @@ async def test_malformed_records_go_to_deadletter_and_good_ones_are_still_proces
         assert any("step" in r for r in reasons) and any("limit" in r for r in reasons)
         assert all(r.key == b"dl/run" for r in dead)
     finally:
-        svc.stop()
+        await asyncio.to_thread(svc.stop)

@@ -28,6 +28,7 @@ _PLUGGED = (
     "trainsentry.simulate",
     "trainsentry.supervise",
     "detectors.score",
+    "trainsentry.alerting_cli",
 )
 
 
@@ -41,10 +42,10 @@ def _cmd_detect(args: argparse.Namespace) -> int:
     config = EngineConfig(catalog=catalog, breaker_threshold=args.breaker_threshold)
     source = sys.stdin if args.file == "-" else args.file
     outputs = detect_file(source, run_id=args.run_id, config=config)
-    out = sys.stdout.buffer
+    out = sys.stdout
     for o in outputs:
         if isinstance(o, AlertEvent) or args.commands:
-            out.write(dumps(o) + b"\n")
+            out.write(dumps(o).decode() + "\n")
     out.flush()
     return 0
 

@@ -18,6 +18,11 @@ from typing import Any, Literal
 
 from trainsentry.errors import EventError
 
+try:  # the [service] extra: a 3-5x faster parser on the stream app's hot path
+    from orjson import loads as _fast_loads
+except ImportError:  # a trainer-only install decodes with the standard library
+    _fast_loads = None
+
 __all__ = [
     "SCHEMA_VERSION",
     "LAYERS",
@@ -382,9 +387,15 @@ def decode_record(value: bytes | str | None, kind: Literal["metric", "run", "ale
     if size > max_bytes:
         raise EventError(f"record is {size} bytes, over the {max_bytes}-byte limit")
     try:
-        obj = json.loads(value)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise EventError(f"record is not valid UTF-8 JSON: {exc}") from exc
+        obj = _fast_loads(value) if _fast_loads is not None else json.loads(value)
+    except (UnicodeDecodeError, ValueError):
+        # orjson refuses some inputs the standard parser reads (bare NaN, integers over
+        # 64 bits, lone surrogates); the standard parser decides, so behaviour and error
+        # messages stay exactly those of json.loads.
+        try:
+            obj = json.loads(value)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise EventError(f"record is not valid UTF-8 JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise EventError(f"record must be a JSON object, got {type(obj).__name__}")
     decoder = {"metric": MetricEvent, "run": RunEvent, "alert": AlertEvent,

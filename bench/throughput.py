@@ -1,0 +1,205 @@
+"""Metric events per second through the real ``trainsentry serve`` vs a bare aiokafka consumer.
+
+Pre-loads ``--runs`` simulated runs (``--ranks`` ranks, ``--steps`` steps: driver metrics in
+three layers plus one resource sample per rank per step) into fresh topics, then:
+
+1. baseline: one aiokafka consumer reads the four source topics to their end offsets (the
+   ceiling for a Python consumer on this machine);
+2. framework ceiling: a Faust worker whose agent only counts records (what Faust itself
+   costs per record, before any trainsentry code);
+3. the service: ``trainsentry serve`` (decode, validate, step join, detectors, diagnosis,
+   state table, alerts) consumes the same records; progress is the detect agent's consumed
+   counter from ``/api/stats``.
+
+Both rates are (records after the first observation) / (time from the first observation to
+the last record), so start-up and group joins are excluded from both. The ratio is last.
+
+    python -m bench.throughput [--runs 200 --steps 30 --ranks 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench._common import fresh_prefix, preload, rss_mb, service, wait_consumed  # noqa: E402
+from trainsentry.config import Topics  # noqa: E402
+
+
+async def _bare_consume(bootstrap: str, names: list[str], total: int) -> tuple[float, int]:
+    """Read ``total`` records with a bare AIOKafkaConsumer; returns (seconds, records timed)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                                auto_offset_reset="earliest", group_id=None)
+    await consumer.start()
+    try:
+        cluster = await consumer._client.fetch_all_metadata()  # noqa: SLF001 - no public call
+        tps = [TopicPartition(n, p) for n in names
+               for p in sorted(cluster.partitions_for_topic(n) or ())]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        n = 0
+        t0: float | None = None
+        first = 0
+        while n < total:
+            batches = await consumer.getmany(timeout_ms=1000, max_records=10_000)
+            got = sum(len(v) for v in batches.values())
+            if got and t0 is None:
+                t0, first = time.perf_counter(), got
+            n += got
+        assert t0 is not None
+        if n == first:  # everything came in the first batch: time it whole
+            return max(time.perf_counter() - t0, 1e-6), n
+        return time.perf_counter() - t0, n - first
+    finally:
+        await consumer.stop()
+
+
+def _noop_worker(bootstrap: str, prefix: str, port: int, partitions: int) -> None:
+    """Run a Faust worker whose agent over the four source topics only counts records."""
+    import logging
+
+    import faust
+    from faust.worker import Worker
+
+    topics = Topics(prefix)
+    app = faust.App(f"bench-noop-{prefix.strip('.')}", broker=f"kafka://{bootstrap}",
+                    store="memory://", web_port=port, web_bind="127.0.0.1",
+                    web_host="127.0.0.1", consumer_auto_offset_reset="earliest",
+                    topic_partitions=partitions, topic_replication_factor=1,
+                    stream_wait_empty=False, datadir=f"/tmp/{prefix}noop")
+    count = {"n": 0}
+    source = app.topic(topics.data, topics.compute, topics.resource, topics.runs,
+                       key_type=bytes, value_type=bytes, key_serializer="raw",
+                       value_serializer="raw", partitions=partitions)
+
+    @app.agent(source, name="noop")
+    async def noop(stream):  # type: ignore[no-untyped-def]
+        async for _event in stream.events():
+            count["n"] += 1
+
+    @app.page("/readyz")
+    async def readyz(web, request):  # type: ignore[no-untyped-def]
+        return web.json({"ready": True})
+
+    @app.page("/api/stats")
+    async def stats(web, request):  # type: ignore[no-untyped-def]
+        return web.json({"consumed": {"all": count["n"]}})
+
+    Worker(app, loglevel="warning", redirect_stdouts=False, override_logging=False,
+           quiet=True).execute_from_commandline()
+    logging.shutdown()
+
+
+class _NoopProcess:
+    """The no-op worker as a subprocess that quacks like tests.service_proc.ServiceProcess."""
+
+    def __init__(self, bootstrap: str, prefix: str, partitions: int) -> None:
+        import subprocess
+
+        from bench._common import free_port
+
+        self.web_port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.throughput", "--noop-worker", prefix,
+             "--bootstrap", bootstrap, "--port", str(self.web_port),
+             "--partitions", str(partitions)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def get(self, path: str, timeout: float = 5.0) -> tuple[int, object]:
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.web_port}{path}", timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except Exception:
+            self.proc.kill()
+
+
+def _noop_rate(bootstrap: str, prefix: str, partitions: int, total: int,
+               timeout: float) -> tuple[float, int]:
+    noop = _NoopProcess(bootstrap, prefix, partitions)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                noop.get("/readyz", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.3)
+        samples = wait_consumed(noop, total, timeout=timeout)
+    finally:
+        noop.stop()
+    return _service_rate(samples, total)
+
+
+def _service_rate(samples: list[tuple[float, int]], total: int) -> tuple[float, int]:
+    started = [(t, n) for t, n in samples if n > 0]
+    t0, n0 = started[0]
+    t1 = samples[-1][0]
+    return t1 - t0, total - n0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bootstrap", default=os.environ.get("TRAINSENTRY_KAFKA_BOOTSTRAP",
+                                                          "127.0.0.1:9092"))
+    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--noop-worker", metavar="PREFIX", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.noop_worker:
+        _noop_worker(args.bootstrap, args.noop_worker, args.port, args.partitions)
+        return 0
+
+    prefix = fresh_prefix("tput")
+    topics = Topics(prefix)
+    sources = [topics.data, topics.compute, topics.resource, topics.runs]
+    loaded = preload(args.bootstrap, topics, runs=args.runs, steps=args.steps, ranks=args.ranks,
+                     partitions=args.partitions)
+    total = loaded.records
+    print(f"loaded {total} records ({args.runs} runs x {args.steps} steps x {args.ranks} ranks) "
+          f"into {prefix}* in {loaded.seconds:.1f} s", flush=True)
+
+    secs, n = asyncio.run(_bare_consume(args.bootstrap, sources, total))
+    bare = n / secs
+    print(f"bare aiokafka consumer: {n} records in {secs:.2f} s = {bare:,.0f} records/s", flush=True)
+
+    secs, n = _noop_rate(args.bootstrap, prefix, args.partitions, total, args.timeout)
+    noop = n / secs
+    print(f"faust no-op agent (framework ceiling): {n} records in {secs:.2f} s = "
+          f"{noop:,.0f} records/s", flush=True)
+
+    with service(bootstrap=args.bootstrap, prefix=prefix, partitions=args.partitions,
+                 app_id=f"bench-tput-{prefix.strip('.')}") as svc:
+        samples = wait_consumed(svc, total, timeout=args.timeout)
+        assert svc.proc is not None
+        rss = rss_mb(svc.proc.pid)
+        _, body = svc.get("/api/stats")
+    secs, n = _service_rate(samples, total)
+    full = n / secs
+    print(f"trainsentry serve: {n} records in {secs:.2f} s = {full:,.0f} records/s "
+          f"(alerts {body.get('alerts')}, dead letters {body.get('deadletters')}, "
+          f"rss {rss:.0f} MiB)", flush=True)
+    print(f"service / faust no-op agent: {full / noop:.2f}")
+    print(f"throughput ratio (service / bare consumer): {full / bare:.3f}  (target >= 0.5)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

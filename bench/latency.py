@@ -38,6 +38,27 @@ def _split(events: list[dict[str, Any]], onset: int) -> tuple[list[dict[str, Any
     return before, fault
 
 
+def _breakdown(bootstrap: str, topics: Topics, sent_at: dict[str, float],
+               received_at: dict[str, float]) -> None:
+    """Split each latency at the alert record's Kafka timestamp: detect side | notify side."""
+    import json
+
+    from bench._common import read_topic
+
+    first: dict[str, float] = {}
+    for r in read_topic(bootstrap, topics.alerts):
+        a = json.loads(r.value)
+        if a.get("diagnosis") == "nan_loss" and a.get("status") == "firing":
+            first.setdefault(a["run_id"], r.timestamp / 1000)
+    detect = [first[k] - sent_at[k] for k in sent_at if k in first]
+    notify = [received_at[k] - first[k] for k in sent_at if k in first]
+    if detect:
+        print(f"  log() -> alert on the alerts topic: p50 {percentile(detect, 50) * 1000:.0f} ms, "
+              f"p99 {percentile(detect, 99) * 1000:.0f} ms")
+        print(f"  alerts topic -> chat robot:          p50 {percentile(notify, 50) * 1000:.0f} ms, "
+              f"p99 {percentile(notify, 99) * 1000:.0f} ms")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bootstrap", default=os.environ.get("TRAINSENTRY_KAFKA_BOOTSTRAP",
@@ -63,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     sink = ChatSink(echo=False).start()
     env = {**sink.env(), "TRAINSENTRY_NOTIFY_RATE_LIMIT": "100000", "TRAINSENTRY_LANGUAGE": "en"}
     latencies: list[float] = []
+    sent_at: dict[str, float] = {}
+    received_at: dict[str, float] = {}
     missed: list[str] = []
     try:
         with service(bootstrap=args.bootstrap, prefix=prefix, extra_env=env,
@@ -72,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 with MetricsProducer(run_id=run_id, bootstrap=args.bootstrap,
                                      topic_prefix=prefix) as p:
                     publish_scenario(p, before)
-                warm += sum(3 if "layer" in e and e.get("rank") is None else 1 for e in before)
+                warm += len(before)  # one record per event (publish_scenario re-splits layers)
             deadline = time.monotonic() + 300
             while consumed(svc) < warm * 0.98 and time.monotonic() < deadline:
                 time.sleep(0.5)
@@ -101,11 +124,13 @@ def main(argv: list[str] | None = None) -> int:
                     missed.append(run_id)
                 else:
                     latencies.append(got.received_at - t0)
+                    sent_at[run_id], received_at[run_id] = t0, got.received_at
                 time.sleep(args.gap)
             for p in producers.values():
                 p.close(5)
     finally:
         sink.stop()
+    _breakdown(args.bootstrap, topics, sent_at, received_at)
     if missed:
         print(f"no chat message within {args.timeout}s for {len(missed)} runs: {missed[:5]}")
     if not latencies:

@@ -21,9 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from producers.kafka import KafkaOptions, producer_options, topic_for
-from producers.layers import split_metrics
+from producers.layers import layer_of
 from trainsentry.config import Topics
 from trainsentry.events import MetricEvent, RunEvent, dumps
+
+_orjson_dumps: Callable[[Any], bytes] | None
+try:  # optional (the [service] extra has it): 5-10x faster JSON on the sender thread
+    from orjson import dumps as _orjson_dumps
+except ImportError:
+    _orjson_dumps = None
 
 __all__ = ["MetricsProducer", "ProducerStats"]
 
@@ -32,6 +38,14 @@ log = logging.getLogger(__name__)
 _METRIC = 0
 _RUN = 1
 _RAW = 2
+_RECORD = 3  # an encoded record whose delivery failed: sent again as it is
+#: The sender thread lets steps gather this long before it encodes and hands them to
+#: kafka-python, which batches them another _LINGER_MS: far fewer wake-ups, GIL hand-offs
+#: and produce requests per step (docs/performance.md) for at most ~70 ms of latency.
+_GATHER_S = 0.02
+_LINGER_MS = 50
+#: Distinct metric names whose layer is remembered (verl logs the same ~100 every step).
+_LAYER_CACHE_MAX = 10_000
 
 
 @dataclass
@@ -42,12 +56,17 @@ class ProducerStats:
     sent: int = 0
     dropped: int = 0
     send_errors: int = 0
+    #: Records kafka-python accepted but then could not deliver (e.g. the broker came back
+    #: without the producer's idempotence state): queued again and re-sent, not lost.
+    resent: int = 0
     connect_failures: int = 0
     bad_values: int = 0
 
 
 def _to_float(value: Any) -> float | None:
     """A metric value as float; None for values that are not numbers (skipped, counted)."""
+    if type(value) is float:  # the common case, first
+        return value
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, (int, float)):
@@ -116,6 +135,7 @@ class MetricsProducer:
         self._producer: Any = None
         self._thread: threading.Thread | None = None
         self._connect = connect
+        self._layers: dict[str, str] = {}
 
     # ------------------------------------------------------------------ public API
     def log(self, metrics: Mapping[str, Any], step: int, *, ts: float | None = None) -> None:
@@ -166,21 +186,24 @@ class MetricsProducer:
         if self._thread is None:
             return not self._queue
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                empty = not self._queue
-            if empty and self._idle.is_set():
-                break
-            self._wake.set()
-            time.sleep(0.005)
-        producer = self._producer
-        if producer is not None:
-            try:
-                producer.flush(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                log.warning("trainsentry: flush did not complete within %.1fs", timeout)
-                return False
-        return not self._queue
+        while True:
+            while time.monotonic() < deadline:
+                with self._lock:
+                    empty = not self._queue
+                if empty and self._idle.is_set():
+                    break
+                self._wake.set()
+                time.sleep(0.005)
+            producer = self._producer
+            if producer is not None:
+                try:
+                    producer.flush(timeout=max(0.0, deadline - time.monotonic()))
+                except Exception:
+                    log.warning("trainsentry: flush did not complete within %.1fs", timeout)
+                    return False
+            # A failed delivery puts its record back in the queue: go round again.
+            if not self._queue or time.monotonic() >= deadline:
+                return not self._queue
 
     def close(self, timeout: float = 10.0) -> None:
         """Flush within ``timeout`` seconds, then stop the sender thread. Never raises."""
@@ -214,6 +237,9 @@ class MetricsProducer:
     # ------------------------------------------------------------------ internals
     def _put(self, kind: int, item: Any) -> None:
         with self._lock:
+            # The sender drains until the queue is empty, so it only needs waking when
+            # this item is the first: saves a condition notify and a GIL hand-off per step.
+            wake = not self._queue
             if len(self._queue) >= self.max_buffer:
                 self._queue.popleft()
                 self.stats.dropped += 1
@@ -226,7 +252,8 @@ class MetricsProducer:
                 self.stats.logged += 1
         if self._thread is None and self._connect and not self._closing:
             self._start_thread()
-        self._wake.set()
+        if wake:
+            self._wake.set()
 
     def _start_thread(self) -> None:
         with self._lock:
@@ -245,7 +272,8 @@ class MetricsProducer:
             else:
                 from kafka import KafkaProducer
 
-                self._producer = KafkaProducer(**producer_options(self.options), max_block_ms=2000)
+                options = {**producer_options(self.options), "linger_ms": _LINGER_MS}
+                self._producer = KafkaProducer(**options, max_block_ms=2000)
             return True
         except Exception as exc:
             self.stats.connect_failures += 1
@@ -258,6 +286,8 @@ class MetricsProducer:
         backoff = 0.1
         while True:
             self._wake.wait(timeout=0.5)
+            if not self._closing:
+                time.sleep(_GATHER_S)
             self._wake.clear()
             if self._closing and not self._queue:
                 return
@@ -284,7 +314,8 @@ class MetricsProducer:
                 kind, item = self._queue[0]
             try:
                 for topic, key, value in self._encode(kind, item):
-                    self._producer.send(topic, key=key, value=value)
+                    future = self._producer.send(topic, key=key, value=value)
+                    future.add_errback(self._failed, (topic, key, value))
                     self.stats.sent += 1
             except Exception as exc:
                 # BufferError / KafkaTimeoutError while the broker is down: keep the item.
@@ -296,8 +327,25 @@ class MetricsProducer:
             with self._lock:
                 if self._queue and self._queue[0][1] is item:
                     self._queue.popleft()
+                else:  # a failed record was put back in front meanwhile (or item dropped)
+                    for i, (_, queued) in enumerate(self._queue):
+                        if queued is item:
+                            del self._queue[i]
+                            break
+
+    def _failed(self, record: tuple[str, bytes, bytes], exc: BaseException) -> None:
+        """kafka-python gave up on a record it had accepted: queue it again (its own thread)."""
+        with self._lock:
+            self._queue.appendleft((_RECORD, record))
+            self.stats.resent += 1
+            self.stats.sent -= 1
+        if self.stats.resent in (1, 10) or self.stats.resent % 1000 == 0:
+            log.warning("trainsentry: delivery failed (%s); re-sending", type(exc).__name__)
+        self._wake.set()
 
     def _encode(self, kind: int, item: Any) -> list[tuple[str, bytes, bytes]]:
+        if kind == _RECORD:
+            return [item]
         key = self.run_id.encode()
         if kind == _RUN:
             return [(self.topics.runs, key, dumps(item))]
@@ -313,12 +361,30 @@ class MetricsProducer:
                 self.stats.bad_values += 1
                 continue
             values[str(name)] = value
-        layers = {layer: values} if layer else split_metrics(values)
+        layers = {layer: values} if layer else self._split(values)
         out = []
+        fast = _orjson_dumps is not None and math.isfinite(ts)  # orjson would write NaN as null
         for lname, lvalues in layers.items():
             event = MetricEvent(run_id=self.run_id, step=step, ts=ts, layer=lname, metrics=lvalues,
                                 attempt=self.attempt, host=host, rank=rank)
-            out.append((self.topics.metrics(lname), key, dumps(event)))
+            data = _orjson_dumps(event.to_dict()) if fast and _orjson_dumps else dumps(event)
+            out.append((self.topics.metrics(lname), key, data))
+        return out
+
+    def _split(self, values: dict[str, float]) -> dict[str, dict[str, float]]:
+        """``producers.layers.split_metrics`` with each name's layer looked up once."""
+        cache = self._layers
+        out: dict[str, dict[str, float]] = {}
+        for name, value in values.items():
+            lname = cache.get(name)
+            if lname is None:
+                lname = layer_of(name)
+                if len(cache) < _LAYER_CACHE_MAX:
+                    cache[name] = lname
+            bucket = out.get(lname)
+            if bucket is None:
+                bucket = out[lname] = {}
+            bucket[name] = value
         return out
 
 

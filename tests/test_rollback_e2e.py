@@ -48,7 +48,7 @@ def test_rollback_loop_resumes_from_the_healthy_checkpoint_within_seconds(
         starts = [json.loads(line) for line in (ckpt / "stand_in_starts.jsonl").read_text().splitlines()]
         assert [(s["attempt"], s["resumed_from"]) for s in starts] == [(0, 0), (1, 30)]
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "60"
-        reports = list(ckpt.glob("*report*.json"))
+        reports = list(ckpt.glob("trainsentry_diagnosis_*.json"))
         assert reports, "the supervisor writes a diagnosis report next to the checkpoints"
         consumer = KafkaConsumer(topics.control, topics.runs, bootstrap_servers=kafka_bootstrap,
                                  auto_offset_reset="earliest", consumer_timeout_ms=3000)

@@ -41,6 +41,9 @@ from pathlib import Path
 
 import numpy as np
 
+if __package__ in (None, ""):  # `python bench/nab.py`: bench/ would shadow `detectors`
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 __all__ = [
     "PROFILES",
     "Profile",

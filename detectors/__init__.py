@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from detectors.adaptive import AdaptiveThreshold
 from detectors.base import Detector
+from detectors.best import Best
 from detectors.changepoint import CUSUM, PageHinkley
 from detectors.combiner import Combiner
 from detectors.ewma import EWMA
+from detectors.halfspace import HalfSpaceTrees
 from detectors.nonfinite import NonFinite
-from detectors.river_models import HalfSpaceTrees
 from detectors.robust import RobustZScore
 from detectors.seasonal import Seasonal
 from detectors.slope import Slope
@@ -21,6 +22,7 @@ from detectors.variance import VarianceChange
 __all__ = [
     "Detector",
     "AdaptiveThreshold",
+    "Best",
     "CUSUM",
     "Combiner",
     "EWMA",

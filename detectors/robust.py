@@ -11,7 +11,7 @@ from math import isfinite
 from detectors._stats import SCORE_CAP
 from detectors.base import Detector
 
-__all__ = ["RobustZScore"]
+__all__ = ["RobustZScore", "mad_of_sorted"]
 
 _MAD_TO_STD = 1.4826  # MAD of a normal distribution is 0.6745 std
 
@@ -66,42 +66,7 @@ class RobustZScore(Detector):
         return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
 
     def _compute_mad(self) -> float:
-        """The median of ``|v - median|``, by selection in the sorted window: O(log W).
-
-        The deviations of the values below the median, read from the median outwards,
-        and those of the values above it are two sorted runs; the middle of their union
-        is found by bisection instead of sorting W deviations.
-        """
-        s = self._sorted
-        n = len(s)
-        if n == 0:
-            return 0.0
-        med = self.median()
-        p = bisect.bisect_left(s, med)  # s[:p] < med <= s[p:]
-        na, nb = p, n - p
-
-        def kth(k: int) -> float:
-            # k-th smallest (0-based) of A[i] = med - s[p-1-i] and B[j] = s[p+j] - med.
-            lo, hi = max(0, k + 1 - nb), min(k + 1, na)
-            while lo < hi:  # the number i taken from A: smallest with A[i] >= B[k-i]
-                i = (lo + hi) // 2
-                if med - s[p - 1 - i] < s[p + k - i] - med:
-                    lo = i + 1
-                else:
-                    hi = i
-            i, j = lo, k + 1 - lo
-            a = med - s[p - i] if i > 0 else -1.0
-            b = s[p + j - 1] - med if j > 0 else -1.0
-            return a if a > b else b
-
-        mid = n // 2
-        mad = kth(mid) if n % 2 else 0.5 * (kth(mid - 1) + kth(mid))
-        if mad == 0.0:
-            # More than half the window identical: the mean absolute deviation from the
-            # median stands in (in MAD units), O(W) but only while the MAD is 0.
-            total = (math.fsum(s[p:]) - nb * med) + (na * med - math.fsum(s[:p]))
-            mad = total / n / _MAD_TO_STD
-        return mad
+        return mad_of_sorted(self._sorted)
 
     def score_one(self, x: float) -> float:
         s = self._sorted
@@ -142,3 +107,41 @@ class RobustZScore(Detector):
             self._mad = mad = self._compute_mad()
             self._band = self.k * _MAD_TO_STD * mad
             self._since_mad = 0
+
+
+def mad_of_sorted(s: list[float]) -> float:
+    """The median of ``|v - median|`` of a sorted list, by selection: O(log n), no sort.
+
+    The deviations of the values below the median, read from the median outwards, and
+    those of the values above it are two sorted runs; the middle of their union is found
+    by bisection instead of sorting n deviations. When the MAD is 0 (more than half the
+    values identical), the mean absolute deviation from the median stands in (in MAD
+    units), O(n) but only while the MAD is 0.
+    """
+    n = len(s)
+    if n == 0:
+        return 0.0
+    mid = n // 2
+    med = s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+    p = bisect.bisect_left(s, med)  # s[:p] < med <= s[p:]
+    na, nb = p, n - p
+
+    def kth(k: int) -> float:
+        # k-th smallest (0-based) of A[i] = med - s[p-1-i] and B[j] = s[p+j] - med.
+        lo, hi = max(0, k + 1 - nb), min(k + 1, na)
+        while lo < hi:  # the number i taken from A: smallest with A[i] >= B[k-i]
+            i = (lo + hi) // 2
+            if med - s[p - 1 - i] < s[p + k - i] - med:
+                lo = i + 1
+            else:
+                hi = i
+        i, j = lo, k + 1 - lo
+        a = med - s[p - i] if i > 0 else -1.0
+        b = s[p + j - 1] - med if j > 0 else -1.0
+        return a if a > b else b
+
+    mad = kth(mid) if n % 2 else 0.5 * (kth(mid - 1) + kth(mid))
+    if mad == 0.0:
+        total = (math.fsum(s[p:]) - nb * med) + (na * med - math.fsum(s[:p]))
+        mad = total / n / _MAD_TO_STD
+    return mad

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from producers.kafka import KafkaOptions, client_options
+from producers.kafka import KafkaOptions, client_options, connect_error
 from trainsentry.config import Secret, Topics
 from trainsentry.errors import EventError, SignatureError
 from trainsentry.events import ControlCommand
@@ -152,12 +152,18 @@ class ControlListener:
 
     def _run(self) -> None:
         backoff = 0.5
+        said = ""
         while not self._stop.is_set():
             try:
                 consumer = self._consumer()
             except Exception as exc:
-                log.warning("trainsentry: control listener cannot reach Kafka at %s (%s); retrying",
-                            self.options.bootstrap, type(exc).__name__)
+                # A trainer must not die of a broker problem: say what to fix (once per
+                # distinct cause, never the password) and keep retrying.
+                why = str(connect_error(self.options, exc)) if self._factory is None else repr(exc)
+                if why != said:
+                    log.warning("trainsentry: control listener for run %s: %s; retrying",
+                                self.run_id, why)
+                    said = why
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
                 continue

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainsentry.config import Secret, Settings, Topics
-from trainsentry.errors import KafkaSetupError
+from trainsentry.errors import ConfigError, KafkaSetupError
+from trainsentry.kafka_security import describe_failure, kafka_python_security
 
-__all__ = ["KafkaOptions", "client_options", "producer_options", "make_sender", "topic_for"]
+__all__ = ["KafkaOptions", "client_options", "connect_error", "producer_options", "make_sender",
+           "security_options", "topic_for"]
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +44,27 @@ class KafkaOptions:
         )
 
 
+def security_options(opts: KafkaOptions) -> dict[str, Any]:
+    """kafka-python's security keyword arguments; raises ConfigError naming what to fix."""
+    return kafka_python_security(protocol=opts.security_protocol, mechanism=opts.sasl_mechanism,
+                                 username=opts.sasl_username, password=opts.sasl_password,
+                                 cafile=opts.ssl_cafile)
+
+
 def client_options(opts: KafkaOptions) -> dict[str, Any]:
     """kafka-python keyword arguments shared by producers, consumers and admin clients."""
-    out: dict[str, Any] = {
+    return {
         "bootstrap_servers": [s.strip() for s in opts.bootstrap.split(",") if s.strip()],
-        "security_protocol": opts.security_protocol,
+        **security_options(opts),
     }
-    if opts.sasl_mechanism:
-        out["sasl_mechanism"] = opts.sasl_mechanism
-        out["sasl_plain_username"] = opts.sasl_username
-        out["sasl_plain_password"] = opts.sasl_password.get()
-    if opts.ssl_cafile:
-        out["ssl_cafile"] = opts.ssl_cafile
-    return out
+
+
+def connect_error(opts: KafkaOptions, exc: BaseException) -> KafkaSetupError:
+    """A KafkaSetupError saying why the broker cannot be used and what to fix (no password)."""
+    if isinstance(exc, ConfigError):
+        return KafkaSetupError(str(exc))
+    return KafkaSetupError(f"cannot use Kafka at {opts.bootstrap}: "
+                           f"{describe_failure(opts.bootstrap, security_options(opts), exc)}")
 
 
 def producer_options(opts: KafkaOptions) -> dict[str, Any]:
@@ -95,16 +105,17 @@ def make_sender(bootstrap: str | KafkaOptions, prefix: str = "trainsentry.", *,
 
     opts = bootstrap if isinstance(bootstrap, KafkaOptions) else KafkaOptions(bootstrap=bootstrap)
     topics = Topics(prefix)
-    try:
-        from kafka import KafkaProducer
-        from kafka.errors import KafkaError
+    options = producer_options(opts)  # ConfigError for bad security settings, before any I/O
+    from kafka import KafkaProducer
+    from kafka.errors import KafkaError
 
-        producer = KafkaProducer(**producer_options(opts), max_block_ms=int(timeout_s * 1000))
-    except Exception as exc:  # NoBrokersAvailable and friends
-        raise KafkaSetupError(
-            f"cannot reach Kafka at {opts.bootstrap}: {exc}; start one with "
-            "`trainsentry kafka start` or set TRAINSENTRY_KAFKA_BOOTSTRAP"
-        ) from exc
+    ms = int(timeout_s * 1000)
+    if "bootstrap_timeout_ms" in KafkaProducer.DEFAULT_CONFIG:  # kafka-python >= 3 bootstraps
+        options["bootstrap_timeout_ms"] = ms  # in the constructor, 30 s by default
+    try:
+        producer = KafkaProducer(**options, max_block_ms=ms)
+    except Exception as exc:  # NoBrokersAvailable, a refused login or TLS handshake, ...
+        raise connect_error(opts, exc) from exc
 
     def send(kind: str, event: Mapping[str, Any]) -> None:
         key = str(event.get("run_id", "")).encode()

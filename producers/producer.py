@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from producers.kafka import KafkaOptions, producer_options, topic_for
+from producers.kafka import KafkaOptions, connect_error, producer_options, topic_for
 from producers.layers import layer_of
 from trainsentry.config import Topics
 from trainsentry.events import MetricEvent, RunEvent, dumps
@@ -278,8 +278,10 @@ class MetricsProducer:
         except Exception as exc:
             self.stats.connect_failures += 1
             if self.stats.connect_failures in (1, 10) or self.stats.connect_failures % 100 == 0:
-                log.warning("trainsentry: cannot reach Kafka at %s (%s); buffering up to %d events",
-                            self.options.bootstrap, type(exc).__name__, self.max_buffer)
+                # Say what to fix (TLS CA, SASL login, down broker); never the password.
+                why = (str(connect_error(self.options, exc)) if self._factory is None
+                       else f"cannot reach Kafka at {self.options.bootstrap} ({type(exc).__name__})")
+                log.warning("trainsentry: %s; buffering up to %d events", why, self.max_buffer)
             return False
 
     def _run(self) -> None:

@@ -26,15 +26,25 @@ def build_notifier(settings: Settings) -> object | None:
 def run_service(settings: Settings, *, workdir: str | None = None) -> int:
     """Run one worker until SIGTERM/SIGINT; returns the exit code."""
     from faust.worker import Worker
+
+    from trainsentry.kafka_security import check_security, settings_security
     from trainsentry.topics import create_topics, wait_for_broker
 
     log.info("trainsentry serve starting with %s", settings.redacted())
     if not settings.control_secret:
         log.warning("TRAINSENTRY_CONTROL_SECRET is not set: the circuit breaker will alert but "
                     "publish no stop/rollback commands")
-    wait_for_broker(settings.kafka_bootstrap, timeout=60)
+    # Check the Kafka security settings once (ConfigError names the variable to fix) and
+    # normalise them, so the admin client here, Faust and the alerting consumer agree.
+    protocol, mechanism = check_security(
+        protocol=settings.kafka_security_protocol, mechanism=settings.kafka_sasl_mechanism,
+        username=settings.kafka_sasl_username, password=settings.kafka_sasl_password,
+        cafile=settings.kafka_ssl_cafile)
+    settings = replace(settings, kafka_security_protocol=protocol, kafka_sasl_mechanism=mechanism)
+    security = settings_security(settings)
+    wait_for_broker(settings.kafka_bootstrap, timeout=60, client_config=security)
     create_topics(bootstrap=settings.kafka_bootstrap, topics=settings.topics,
-                  partitions=settings.partitions)
+                  partitions=settings.partitions, client_config=security)
     if not settings.data_dir:
         settings = replace(settings, data_dir=workdir or tempfile.mkdtemp(prefix="trainsentry-worker-"))
     engine_config = EngineConfig(breaker_threshold=settings.breaker_threshold,

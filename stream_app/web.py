@@ -3,7 +3,8 @@
 - ``/healthz``: the process is up (liveness). ``/readyz``: partitions are assigned (readiness).
 - ``/metrics``: Prometheus text format (stream_app/metrics.py; one registry per app).
 - ``/api/runs``, ``/api/runs/{run_id}/signals``, ``/api/runs/{run_id}/timeline``,
-  ``/api/stats``: JSON for the dashboard and scripts; runs are this worker's runs.
+  ``/api/stats``: JSON for the dashboard and scripts; runs are this worker's runs
+  (``/api/stats`` also names the partitions it holds and the runs it has cached).
 - ``/`` and ``/runs/{run_id}``: the dashboard (stream_app/dashboard/, no build step, no CDN).
 
 Silences, acks and alert history are stream_app/alerting_api.py's.
@@ -141,10 +142,23 @@ def install_views(app: Any, *, svc: Any, settings: Settings, run_table: Any) -> 
     page("/api/runs/{run_id:.+}/signals")(Signals)
     page("/api/runs/{run_id:.+}/timeline")(Timeline)
 
+    source_topics = {settings.topics.data, settings.topics.compute, settings.topics.resource,
+                     settings.topics.runs}
+
+    def assigned_partitions() -> list[int]:
+        # Co-partitioned: the source topics' partitions this worker owns, one index per run
+        # shard (scale-out checks and operators see which runs a worker holds).
+        try:
+            assignment = app.consumer.assignment()
+        except Exception:  # the consumer is not started yet: nothing is assigned
+            return []
+        return sorted({tp.partition for tp in assignment if tp.topic in source_topics})
+
     @page("/api/stats")
     async def stats(web: Any, request: Any) -> Any:
         return web.json({"consumed": svc.consumed, "deadletters": svc.deadletters,
-                         "alerts": svc.alerts, "commands": svc.commands, "errors": svc.errors})
+                         "alerts": svc.alerts, "commands": svc.commands, "errors": svc.errors,
+                         "partitions": assigned_partitions(), "runs": sorted(svc.cache)})
 
     # ------------------------------------------------------------------ dashboard
     def asset(name: str) -> tuple[bytes, str] | None:

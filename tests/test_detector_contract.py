@@ -15,6 +15,7 @@ from detectors import (
     CUSUM,
     EWMA,
     AdaptiveThreshold,
+    Best,
     Combiner,
     Detector,
     HalfSpaceTrees,
@@ -25,6 +26,8 @@ from detectors import (
     Slope,
     VarianceChange,
 )
+from detectors.best import reference
+from detectors.river_models import RiverHalfSpaceTrees
 from detectors.score import DETECTORS
 
 FACTORIES: dict[str, Callable[[], Detector]] = {
@@ -42,9 +45,12 @@ FACTORIES: dict[str, Callable[[], Detector]] = {
     "Seasonal-smooth": lambda: Seasonal(period=7, alpha=0.05, smooth=5),
     "NonFinite": NonFinite,
     "HalfSpaceTrees": lambda: HalfSpaceTrees(n_trees=3, height=4, window_size=20),
+    "RiverHalfSpaceTrees": lambda: RiverHalfSpaceTrees(n_trees=3, height=4, window_size=20),
     "Combiner": lambda: Combiner([EWMA(alpha=0.05), RobustZScore(window=30)], warmup=20,
                                  refractory=10),
     "best": DETECTORS["best"],
+    "best-period-7": lambda: Best(period=7),
+    "best-reference": lambda: reference(7),
 }
 
 IDS = list(FACTORIES)
@@ -165,7 +171,7 @@ def test_state_size_is_bounded(name: str) -> None:
 #: differences or smoothed windows, where one spike is not what they look for).
 LEVEL_DETECTORS = [n for n in IDS if n not in (
     "NonFinite", "VarianceChange", "CUSUM", "PageHinkley", "Slope", "EWMA-diff",
-    "EWMA-smooth", "HalfSpaceTrees", "Seasonal-smooth")]
+    "EWMA-smooth", "HalfSpaceTrees", "RiverHalfSpaceTrees", "Seasonal-smooth")]
 
 
 @pytest.mark.parametrize("level_name", LEVEL_DETECTORS)
@@ -209,13 +215,139 @@ def test_combined_scores_are_in_unit_interval() -> None:
         det.learn_one(x)
 
 
-def test_half_space_trees_take_a_joint_vector() -> None:
-    """The river model is multivariate: a dict of signals in, one score out."""
-    det = HalfSpaceTrees(n_trees=5, height=6, window_size=20, seed=1)
+@pytest.mark.parametrize("model", [HalfSpaceTrees, RiverHalfSpaceTrees])
+def test_half_space_trees_take_a_joint_vector(model: Callable[..., Detector]) -> None:
+    """Half-Space Trees are multivariate: a dict of signals in, one score out."""
+    det = model(n_trees=5, height=6, window_size=20, seed=1)
     for i in range(200):
         det.learn_one({"latency": float(i % 10), "gpu": float(i % 10)})
     assert det.score_one({"latency": 9.0, "gpu": 0.0}) > det.score_one({"latency": 2.0, "gpu": 2.0})
     assert det.score_one({"latency": math.nan, "gpu": 1.0}) == 0.0
+
+
+def spiky(n: int, seed: int) -> list[float]:
+    """A level with noise, spikes, a level shift, a flat stretch and a daily-ish cycle."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        x = 50.0 + 10.0 * math.sin(i / 7.0) + rng.gauss(0, 2)
+        if rng.random() < 0.02:
+            x += rng.choice([-1, 1]) * rng.uniform(20, 200)
+        if i > n // 2:
+            x += 15.0
+        if n // 3 < i < n // 3 + 40:
+            x = 48.0
+        out.append(x)
+    return out
+
+
+BEST_SERIES = {
+    "spiky": spiky(3000, 0),
+    "spiky-2": spiky(2500, 7),
+    "noisy-with-non-finite": [math.nan if i % 97 == 0 else x for i, x in enumerate(noisy(1500))],
+    "constant-then-change": [7.0] * 600 + [7.5, -3.0, 1e12] + [7.0] * 300,
+    "huge": [1e300 * (-1) ** i if i % 50 == 0 else x for i, x in enumerate(noisy(800))],
+    "integers": [float(int(abs(x) * 3) % 11) for x in spiky(1200, 3)],
+}
+
+
+@pytest.mark.parametrize("series_name", sorted(BEST_SERIES))
+@pytest.mark.parametrize("period", [7, 288])
+def test_best_scores_equal_its_reference_combiner(series_name: str, period: int) -> None:
+    """The fused Best gives bit-identical scores to the Combiner of the seven detectors."""
+    fused, generic = Best(period=period), reference(period)
+    for x in BEST_SERIES[series_name]:
+        assert fused.score_one(x) == generic.score_one(x)
+        fused.learn_one(x)
+        generic.learn_one(x)
+
+
+def test_best_learn_alone_equals_score_then_learn() -> None:
+    """learn_one without a score_one first reaches the same state (the cache is not state)."""
+    a, b = Best(period=24), Best(period=24)
+    for x in BEST_SERIES["spiky"][:1500]:
+        a.score_one(x)
+        a.learn_one(x)
+        b.learn_one(x)
+    assert pickle.dumps(a) == pickle.dumps(b)
+    assert a.state()["robust_band"] > 0.0
+
+
+def test_best_survives_pickling_mid_stream() -> None:
+    """A Best restored from a pickle continues exactly like the original."""
+    det = Best(period=24)
+    values = BEST_SERIES["spiky"]
+    for x in values[:1000]:
+        det.score_one(x)
+        det.learn_one(x)
+    copy = pickle.loads(pickle.dumps(det))
+    for x in values[1000:]:
+        assert copy.score_one(x) == det.score_one(x)
+        det.learn_one(x)
+        copy.learn_one(x)
+
+
+@pytest.mark.parametrize("model", [Best, HalfSpaceTrees])
+def test_state_of_another_layout_is_refused_clearly(model: Callable[[], Detector]) -> None:
+    """A pickled state whose layout this version does not know fails with a clear message."""
+    det = model()
+    for x in noisy(400):
+        det.learn_one(x)
+    state = det.__getstate__()  # type: ignore[attr-defined]
+    state["_layout"] = 0
+    with pytest.raises(ValueError, match="state layout 0"):
+        type(det).__new__(type(det)).__setstate__(state)  # type: ignore[attr-defined]
+    del state["_layout"]  # as a state from before layouts were versioned
+    with pytest.raises(ValueError, match="start a fresh one"):
+        type(det).__new__(type(det)).__setstate__(state)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"n_trees": 5, "height": 6, "window_size": 20, "seed": 1}])
+def test_half_space_trees_equal_rivers_on_one_signal(kwargs: dict[str, int]) -> None:
+    """The lean trees are river's trees: identical scores on a single signal."""
+    lean, river = HalfSpaceTrees(**kwargs), RiverHalfSpaceTrees(**kwargs)
+    for x in BEST_SERIES["spiky"][:1200] + [1e6, -1e6, 50.0]:
+        assert lean.score_one(x) == river.score_one(x)
+        lean.learn_one(x)
+        river.learn_one(x)
+
+
+def test_half_space_trees_equal_rivers_on_a_joint_vector() -> None:
+    """... and on a joint vector of several signals."""
+    rng = random.Random(2)
+    lean = HalfSpaceTrees(n_trees=6, height=5, window_size=30, seed=3)
+    river = RiverHalfSpaceTrees(n_trees=6, height=5, window_size=30, seed=3)
+    for i in range(600):
+        x = {"latency": rng.gauss(10, 2), "gpu": rng.gauss(50, 5) - (40 if i % 53 == 0 else 0),
+             "kl": rng.random()}
+        assert lean.score_one(x) == river.score_one(x)
+        lean.learn_one(x)
+        river.learn_one(x)
+
+
+def test_half_space_trees_ignore_a_vector_missing_a_signal() -> None:
+    """A vector without one of the model's signals scores 0.0 and is not learned."""
+    det = HalfSpaceTrees(n_trees=3, height=4, window_size=20)
+    for i in range(100):
+        det.learn_one({"a": float(i % 7), "b": float(i % 5)})
+    before = pickle.dumps(det)
+    assert det.score_one({"a": 1.0}) == 0.0
+    det.learn_one({"a": 1.0})
+    det.learn_one(3.0)  # a plain float is {"x": ...}: not one of the model's signals
+    assert pickle.dumps(det) == before
+
+
+def test_half_space_trees_pickled_under_the_old_name_still_load() -> None:
+    """States pickled as detectors.river_models.HalfSpaceTrees (before the lean class) load."""
+    det = RiverHalfSpaceTrees(n_trees=3, height=4, window_size=20)
+    for x in noisy(100):
+        det.learn_one(x)
+    data = pickle.dumps(det, protocol=0)  # text protocol: the class is named by a line
+    old = data.replace(b"\nRiverHalfSpaceTrees\n", b"\nHalfSpaceTrees\n")
+    assert old != data
+    restored = pickle.loads(old)
+    assert isinstance(restored, RiverHalfSpaceTrees)
+    assert restored.score_one(13.0) == det.score_one(13.0) > 0.0
 
 
 def test_slope_fires_on_a_steady_climb() -> None:

@@ -23,6 +23,7 @@ import fcntl
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -32,16 +33,23 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
+from trainsentry.config import Secret
 from trainsentry.errors import KafkaSetupError
 
 __all__ = [
     "DEFAULT_VERSION",
     "DEFAULT_PORT",
+    "SCRAM_MECHANISMS",
+    "LocalSecurity",
     "add_cli",
     "broker_properties",
+    "ca_file",
+    "client_env",
     "default_cache_dir",
     "default_data_dir",
     "fetch_jars",
@@ -64,6 +72,39 @@ _PID_FILE = "kafka.pid"
 _LOG_FILE = "kafka.log"
 _PROPS_FILE = "server.properties"
 _LOG_TAIL_LINES = 40
+_TLS_DIR = "tls"
+_INTERNAL = "INTERNAL"
+#: Both SCRAM mechanisms are enabled on a SASL listener and the user gets credentials for each.
+SCRAM_MECHANISMS = ("SCRAM-SHA-512", "SCRAM-SHA-256")
+_PASSWORD_VAR = "TRAINSENTRY_KAFKA_SASL_PASSWORD"
+
+
+@dataclass(frozen=True)
+class LocalSecurity:
+    """How the client listener of the local broker is secured (default: PLAINTEXT).
+
+    ``tls``: TLS with a certificate for 127.0.0.1 signed by a CA made for this data dir
+    (:func:`ca_file`). ``scram_user``/``scram_password``: a SASL/SCRAM login (both
+    SCRAM-SHA-512 and SCRAM-SHA-256). Together they make a SASL_SSL listener.
+    """
+
+    tls: bool = False
+    scram_user: str = ""
+    scram_password: Secret = field(default_factory=lambda: Secret(""))
+
+    @property
+    def protocol(self) -> str:
+        sasl = bool(self.scram_user)
+        return {(False, False): "PLAINTEXT", (False, True): "SSL",
+                (True, False): "SASL_PLAINTEXT", (True, True): "SASL_SSL"}[(sasl, self.tls)]
+
+    def check(self) -> None:
+        if self.scram_user and not self.scram_password:
+            raise KafkaSetupError(f"a SCRAM user needs a password; set {_PASSWORD_VAR}")
+        if self.scram_password and not self.scram_user:
+            raise KafkaSetupError("a SCRAM password was given without a user name (--sasl-scram USER)")
+        if any(c in self.scram_user for c in "=,") or not self.scram_user.isprintable():
+            raise KafkaSetupError("the SCRAM user name must be printable and hold no '=' or ','")
 
 
 # --------------------------------------------------------------------------- paths
@@ -212,23 +253,44 @@ def fetch_jars(*, version: str = DEFAULT_VERSION, cache_dir: str | Path | None =
 
 
 def broker_properties(*, port: int, controller_port: int, data_dir: str | Path,
-                      version: str = DEFAULT_VERSION, node_id: int = 1) -> dict[str, str]:
+                      version: str = DEFAULT_VERSION, node_id: int = 1,
+                      protocol: str = "PLAINTEXT", internal_port: int | None = None,
+                      keystore: str | Path | None = None,
+                      keystore_password: str = "") -> dict[str, str]:
     """The server.properties of one combined broker+controller bound to 127.0.0.1 only.
 
     Replication factors and min ISR are 1 because there is one node; the initial rebalance
     delay is 0 so consumer groups (and Faust workers) start at once in tests; a static
     one-voter quorum works the same way on Kafka 3.x and 4.x.
+
+    With a ``protocol`` other than PLAINTEXT the client port gets that listener (SCRAM for
+    the SASL ones, the PKCS12 ``keystore`` for the TLS ones), and a PLAINTEXT ``INTERNAL``
+    listener on ``internal_port`` (127.0.0.1 only) carries inter-broker traffic, readiness
+    probes and the SCRAM user set-up, so the broker needs no credentials of its own.
     """
     data = Path(data_dir)
+    if protocol == "PLAINTEXT":
+        listeners = {"PLAINTEXT": port}
+        inter_broker = "PLAINTEXT"
+    else:
+        if internal_port is None:
+            raise KafkaSetupError(f"a {protocol} listener needs an internal_port")
+        if "SSL" in protocol and (keystore is None or not keystore_password):
+            raise KafkaSetupError(f"a {protocol} listener needs a keystore and its password")
+        listeners = {protocol: port, _INTERNAL: internal_port}
+        inter_broker = _INTERNAL
     props = {
         "process.roles": "broker,controller",
         "node.id": str(node_id),
         "controller.quorum.voters": f"{node_id}@{HOST}:{controller_port}",
-        "listeners": f"PLAINTEXT://{HOST}:{port},CONTROLLER://{HOST}:{controller_port}",
-        "advertised.listeners": f"PLAINTEXT://{HOST}:{port}",
+        "listeners": ",".join([*(f"{n}://{HOST}:{p}" for n, p in listeners.items()),
+                               f"CONTROLLER://{HOST}:{controller_port}"]),
+        "advertised.listeners": ",".join(f"{n}://{HOST}:{p}" for n, p in listeners.items()),
         "controller.listener.names": "CONTROLLER",
-        "inter.broker.listener.name": "PLAINTEXT",
-        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "inter.broker.listener.name": inter_broker,
+        "listener.security.protocol.map": ",".join(
+            ["CONTROLLER:PLAINTEXT", *(f"{n}:{'PLAINTEXT' if n == _INTERNAL else n}"
+                                       for n in listeners)]),
         "log.dirs": str(data / "data"),
         "num.partitions": "1",
         "default.replication.factor": "1",
@@ -248,6 +310,21 @@ def broker_properties(*, port: int, controller_port: int, data_dir: str | Path,
         # Kafka 4 adds share groups, whose state topic would otherwise want 3 replicas.
         props["share.coordinator.state.topic.replication.factor"] = "1"
         props["share.coordinator.state.topic.min.isr"] = "1"
+    if protocol.startswith("SASL"):
+        # The server side of SCRAM needs a JAAS entry per mechanism, with no credentials:
+        # users live in the cluster metadata (see _upsert_scram_user).
+        props["sasl.enabled.mechanisms"] = ",".join(SCRAM_MECHANISMS)
+        for mech in SCRAM_MECHANISMS:
+            props[f"listener.name.{protocol.lower()}.{mech.lower()}.sasl.jaas.config"] = (
+                "org.apache.kafka.common.security.scram.ScramLoginModule required;")
+    if "SSL" in protocol:
+        props.update({
+            "ssl.keystore.type": "PKCS12",
+            "ssl.keystore.location": str(keystore),
+            "ssl.keystore.password": keystore_password,
+            "ssl.key.password": keystore_password,
+            "ssl.client.auth": "none",
+        })
     return props
 
 
@@ -314,6 +391,90 @@ def _cluster_id() -> str:
             return text
 
 
+# --------------------------------------------------------------------------- TLS
+
+
+def ca_file(*, port: int = DEFAULT_PORT, data_dir: str | Path | None = None) -> Path:
+    """The PEM CA certificate clients trust for a ``--tls`` broker (TRAINSENTRY_KAFKA_SSL_CAFILE)."""
+    return _data_dir(data_dir, port) / _TLS_DIR / "ca.pem"
+
+
+#: keytool runs seven times on the first --tls start; a small heap, the serial GC and the
+#: C1 compiler only make each short-lived JVM start a little faster (12 s -> 10 s in all
+#: on a busy 2-core machine).
+_KEYTOOL_JVM = ("-J-Xmx64m", "-J-XX:+UseSerialGC", "-J-XX:TieredStopAtLevel=1")
+
+
+def _keytool(java: str) -> str:
+    beside = Path(java).resolve().parent / "keytool"
+    found = str(beside) if beside.is_file() else shutil.which("keytool")
+    if found is None:
+        raise KafkaSetupError("keytool not found next to java or on PATH: it comes with every "
+                              "JDK/JRE 17 and makes the local broker's TLS certificate")
+    return found
+
+
+def _ensure_tls(java: str, data: Path) -> tuple[Path, str]:
+    """A CA and a broker keystore for 127.0.0.1, made once per data dir with keytool.
+
+    Kept across restarts so clients' CA file stays valid. Made in a temporary folder and
+    renamed, so a half-made set is never used. Returns (keystore, keystore password).
+    """
+    tls = data / _TLS_DIR
+    pw_file = tls / "keystore.password"
+    if (tls / _MARKER).is_file():
+        return tls / "broker.p12", pw_file.read_text(encoding="utf-8").strip()
+    keytool = _keytool(java)
+    staging = Path(tempfile.mkdtemp(prefix="tls.", dir=data))  # mode 0700
+    password = secrets.token_hex(24)
+    (staging / pw_file.name).write_text(password + "\n", encoding="utf-8")
+    os.chmod(staging / pw_file.name, 0o600)
+    # :file keeps the keystore password off every command line.
+    store = ["-storetype", "PKCS12", "-storepass:file", str(staging / pw_file.name)]
+    ca, broker = str(staging / "ca.p12"), str(staging / "broker.p12")
+    steps = [
+        ["-genkeypair", "-alias", "ca", "-keyalg", "RSA", "-keysize", "2048", "-validity",
+         "3650", "-dname", "CN=trainsentry local Kafka CA", "-ext", "bc:c",
+         "-ext", "KU=keyCertSign,cRLSign", "-keystore", ca, *store],
+        ["-exportcert", "-rfc", "-alias", "ca", "-keystore", ca, *store,
+         "-file", str(staging / "ca.pem")],
+        ["-genkeypair", "-alias", "broker", "-keyalg", "RSA", "-keysize", "2048", "-validity",
+         "3650", "-dname", f"CN={HOST}", "-keystore", broker, *store],
+        ["-certreq", "-alias", "broker", "-keystore", broker, *store,
+         "-file", str(staging / "broker.csr")],
+        ["-gencert", "-rfc", "-alias", "ca", "-keystore", ca, *store, "-validity", "3650",
+         "-infile", str(staging / "broker.csr"), "-outfile", str(staging / "broker.pem"),
+         "-ext", f"SAN=ip:{HOST},dns:localhost", "-ext", "KU=digitalSignature,keyEncipherment",
+         "-ext", "EKU=serverAuth"],
+        ["-importcert", "-noprompt", "-alias", "ca", "-file", str(staging / "ca.pem"),
+         "-keystore", broker, *store],
+        ["-importcert", "-noprompt", "-alias", "broker", "-file", str(staging / "broker.pem"),
+         "-keystore", broker, *store],
+    ]
+    for args in steps:
+        try:
+            done = subprocess.run([keytool, *_KEYTOOL_JVM, *args], capture_output=True, text=True,
+                                  timeout=120, cwd=staging)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise KafkaSetupError(f"keytool {args[0]} did not finish ({exc})") from exc
+        if done.returncode != 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise KafkaSetupError(f"keytool {args[0]} failed (exit {done.returncode}) making the "
+                                  f"local broker's TLS certificate:\n{(done.stdout + done.stderr).strip()}")
+    for name in ("ca.p12", "broker.csr"):  # the CA key is needed no more: nothing else is signed
+        (staging / name).unlink(missing_ok=True)
+    os.chmod(staging / "ca.pem", 0o644)  # clients read it; the key and password stay 0600
+    os.chmod(staging / "broker.p12", 0o600)
+    os.chmod(staging, 0o755)
+    (staging / _MARKER).write_text("keytool\n", encoding="utf-8")
+    if tls.exists():
+        shutil.rmtree(tls)
+    staging.rename(tls)
+    logger.info("made a CA and a TLS certificate for %s in %s", HOST, tls)
+    return tls / "broker.p12", password
+
+
 # --------------------------------------------------------------------------- processes
 
 
@@ -350,7 +511,8 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _answers(address: str, *, timeout: float = 5.0) -> bool:
+def _answers(address: str, *, timeout: float = 5.0,
+             client_config: Mapping[str, Any] | None = None) -> bool:
     """True if a broker at address answers a cluster-metadata request with a live broker."""
     host, _, port = address.rpartition(":")
     if not _port_in_use(int(port)):
@@ -361,7 +523,8 @@ def _answers(address: str, *, timeout: float = 5.0) -> bool:
     ms = int(timeout * 1000)
     try:
         admin = KafkaAdminClient(bootstrap_servers=address, client_id="trainsentry-kafka-local",
-                                 request_timeout_ms=ms, bootstrap_timeout_ms=ms)
+                                 request_timeout_ms=ms, bootstrap_timeout_ms=ms,
+                                 **(client_config or {}))
     except (KafkaError, OSError):
         return False
     try:
@@ -381,6 +544,101 @@ def _log_tail(data: Path, lines: int = _LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _probe_address(data: Path, port: int) -> str:
+    """Where readiness is checked: the INTERNAL PLAINTEXT listener of a secured broker."""
+    listeners = _read_properties(data / _PROPS_FILE).get("listeners", "")
+    match = re.search(rf"{_INTERNAL}://([^,]+)", listeners)
+    return match.group(1) if match else f"{HOST}:{port}"
+
+
+def _running_protocol(data: Path) -> str:
+    listeners = _read_properties(data / _PROPS_FILE).get("advertised.listeners", "")
+    first = listeners.split(",")[0]
+    return first.split("://")[0] if "://" in first else "PLAINTEXT"
+
+
+def client_env(*, port: int = DEFAULT_PORT, data_dir: str | Path | None = None,
+               security: LocalSecurity | None = None) -> dict[str, str]:
+    """The TRAINSENTRY_KAFKA_* variables clients need for this broker, without the password."""
+    security = security or LocalSecurity()
+    env = {"TRAINSENTRY_KAFKA_BOOTSTRAP": f"{HOST}:{port}",
+           "TRAINSENTRY_KAFKA_SECURITY_PROTOCOL": security.protocol}
+    if security.scram_user:
+        env["TRAINSENTRY_KAFKA_SASL_MECHANISM"] = SCRAM_MECHANISMS[0]
+        env["TRAINSENTRY_KAFKA_SASL_USERNAME"] = security.scram_user
+    if security.tls:
+        env["TRAINSENTRY_KAFKA_SSL_CAFILE"] = str(ca_file(port=port, data_dir=data_dir))
+    return env
+
+
+def _client_security(security: LocalSecurity, data: Path) -> dict[str, Any]:
+    from trainsentry.kafka_security import kafka_python_security
+
+    return kafka_python_security(
+        protocol=security.protocol, mechanism=SCRAM_MECHANISMS[0] if security.scram_user else "",
+        username=security.scram_user, password=security.scram_password,
+        cafile=str(data / _TLS_DIR / "ca.pem") if security.tls else "")
+
+
+def _upsert_scram_user(internal: str, security: LocalSecurity, *, timeout: float) -> None:
+    """Create or update the SCRAM user (both mechanisms) through the INTERNAL listener.
+
+    Done through the admin API rather than ``kafka-storage format --add-scram`` so the
+    password never appears on a command line and a changed password takes effect on the
+    next start of an existing data dir.
+    """
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+
+    try:
+        from kafka.admin import UserScramCredentialUpsertion
+    except ImportError as exc:  # kafka-python 2.x has no SCRAM admin API
+        raise KafkaSetupError("a SCRAM user needs kafka-python >= 3 (pip install -U "
+                              "'kafka-python>=3')") from exc
+
+    ms = int(timeout * 1000)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            admin = KafkaAdminClient(bootstrap_servers=internal, client_id="trainsentry-kafka-local",
+                                     request_timeout_ms=ms, bootstrap_timeout_ms=ms)
+            try:
+                result: dict[str, Any] = {}
+                for mech in SCRAM_MECHANISMS:  # one user's credential per request
+                    result.update(admin.alter_user_scram_credentials([
+                        UserScramCredentialUpsertion(security.scram_user, mech,
+                                                     security.scram_password.get())]))
+            finally:
+                admin.close()
+        except (KafkaError, OSError) as exc:
+            if time.monotonic() > deadline:
+                raise KafkaSetupError(f"could not create the SCRAM user through the internal "
+                                      f"listener {internal}: {exc!r}") from exc
+            time.sleep(0.5)
+            continue
+        problems = {user: err for user, err in result.items() if err}
+        if problems:
+            raise KafkaSetupError(f"the broker refused the SCRAM user {security.scram_user!r}: "
+                                  f"{problems.get(security.scram_user, problems)}")
+        return
+
+
+def _wait_for_login(address: str, data: Path, security: LocalSecurity, *,
+                    timeout: float) -> None:
+    """Until a client using ``security`` gets metadata on the client port (SCRAM propagates
+    through the metadata log, so the first attempts may be refused)."""
+    config = _client_security(security, data)
+    deadline = time.monotonic() + timeout
+    while not _answers(address, timeout=3.0, client_config=config):
+        if time.monotonic() > deadline:
+            from trainsentry.kafka_security import describe_failure
+
+            raise KafkaSetupError(
+                f"the broker runs, but a {security.protocol} client cannot use {address}: "
+                f"{describe_failure(address, config)}; see {data / _LOG_FILE}")
+        time.sleep(0.5)
+
+
 def is_running(*, port: int = DEFAULT_PORT, data_dir: str | Path | None = None) -> bool:
     """Whether the broker we started for this data dir is alive (no network round trip)."""
     data = _data_dir(data_dir, port)
@@ -390,20 +648,33 @@ def is_running(*, port: int = DEFAULT_PORT, data_dir: str | Path | None = None) 
 
 def start(*, port: int = DEFAULT_PORT, data_dir: str | Path | None = None,
           version: str = DEFAULT_VERSION, cache_dir: str | Path | None = None,
-          timeout: float = 90.0, heap: str = "512m") -> str:
+          timeout: float = 90.0, heap: str = "512m",
+          security: LocalSecurity | None = None) -> str:
     """Start (or find running) the local broker; return ``"127.0.0.1:<port>"`` once it serves.
 
     Idempotent: if the broker we started for this data dir is up and answers, its address
     comes back at once. A data dir that does not exist yet is created and formatted; an
-    existing one keeps its topics and offsets across restarts.
+    existing one keeps its topics and offsets across restarts. ``security`` secures the
+    client port (TLS, SASL/SCRAM or both; docs/kafka.md); ``start`` then returns only once
+    a client with those settings is served.
     """
+    security = security or LocalSecurity()
+    security.check()
     address = f"{HOST}:{port}"
     data = _data_dir(data_dir, port)
     data.mkdir(parents=True, exist_ok=True)
     with _locked(data / ".lock"):
         pid = _read_pid(data)
         if pid is not None and _is_our_broker(pid, data):
-            _wait_until_serving(address, data, pid=pid, proc=None, timeout=timeout)
+            running = _running_protocol(data)
+            if running != security.protocol:
+                raise KafkaSetupError(
+                    f"the broker for {data} already runs with a {running} listener on port "
+                    f"{port}, not {security.protocol}; stop it first (trainsentry kafka stop "
+                    f"--port {port} --data-dir {data})")
+            _wait_until_serving(_probe_address(data, port), data, pid=pid, proc=None,
+                                timeout=timeout)
+            _secure(address, data, security, timeout=timeout)
             return address
         (data / _PID_FILE).unlink(missing_ok=True)
         if _port_in_use(port):
@@ -414,10 +685,22 @@ def start(*, port: int = DEFAULT_PORT, data_dir: str | Path | None = None,
         java = _check_java(version)
         libs = fetch_jars(version=version, cache_dir=cache_dir)
         props_path = data / _PROPS_FILE
-        controller_port = _controller_port(props_path, port)
+        previous = _read_properties(props_path)
+        controller_port = _reuse_port(previous.get("controller.quorum.voters", ""), port)
+        extra: dict[str, Any] = {}
+        if security.protocol != "PLAINTEXT":
+            internal = re.search(rf"{_INTERNAL}://([^,]+)", previous.get("listeners", ""))
+            extra["internal_port"] = _reuse_port(internal.group(1) if internal else "", port,
+                                                 controller_port)
+        if security.tls:
+            extra["keystore"], extra["keystore_password"] = _ensure_tls(java, data)
         props = broker_properties(port=port, controller_port=controller_port, data_dir=data,
-                                  version=version)
-        props_path.write_text(render_properties(props), encoding="utf-8")
+                                  version=version, protocol=security.protocol, **extra)
+        props_path.unlink(missing_ok=True)
+        # 0600: it may hold the keystore password.
+        fd = os.open(props_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(render_properties(props))
         classpath = f"{libs}{os.sep}*"
         _format_storage(java, classpath, data, props_path, version)
 
@@ -434,23 +717,40 @@ def start(*, port: int = DEFAULT_PORT, data_dir: str | Path | None = None,
                                     stderr=subprocess.STDOUT, cwd=data,
                                     start_new_session=True, close_fds=True)
         (data / _PID_FILE).write_text(f"{proc.pid}\n", encoding="utf-8")
-        _wait_until_serving(address, data, pid=proc.pid, proc=proc, timeout=timeout)
-        logger.info("Kafka %s serving on %s (pid %d) after %.1fs", version, address, proc.pid,
-                    time.monotonic() - started)
+        _wait_until_serving(_probe_address(data, port), data, pid=proc.pid, proc=proc,
+                            timeout=timeout)
+        try:
+            _secure(address, data, security, timeout=max(10.0, timeout - (time.monotonic() - started)))
+        except KafkaSetupError:
+            _terminate(proc.pid, timeout=10.0)  # ours and unusable: don't leave it running
+            (data / _PID_FILE).unlink(missing_ok=True)
+            raise
+        logger.info("Kafka %s serving %s on %s (pid %d) after %.1fs", version, security.protocol,
+                    address, proc.pid, time.monotonic() - started)
         return address
 
 
-def _controller_port(props_path: Path, port: int) -> int:
-    """Reuse the previous controller port when it is free, so a restarted node finds its quorum."""
-    voters = _read_properties(props_path).get("controller.quorum.voters", "")
-    match = re.search(r":(\d+)$", voters)
+def _secure(address: str, data: Path, security: LocalSecurity, *, timeout: float) -> None:
+    """Set up the SCRAM user and wait until a secured client is served (no-op for PLAINTEXT)."""
+    if security.protocol == "PLAINTEXT":
+        return
+    if security.scram_user:
+        _upsert_scram_user(_probe_address(data, int(address.rpartition(":")[2])), security,
+                           timeout=timeout)
+    _wait_for_login(address, data, security, timeout=timeout)
+
+
+def _reuse_port(previous: str, *taken: int) -> int:
+    """The port at the end of ``previous`` (``1@127.0.0.1:P`` or ``127.0.0.1:P``) when it is
+    free, so a restarted node finds its quorum; else a new free port not in ``taken``."""
+    match = re.search(r":(\d+)$", previous)
     if match:
-        previous = int(match.group(1))
-        if previous != port and not _port_in_use(previous):
-            return previous
+        candidate = int(match.group(1))
+        if candidate not in taken and not _port_in_use(candidate):
+            return candidate
     while True:
         candidate = _free_port()
-        if candidate != port:
+        if candidate not in taken:
             return candidate
 
 
@@ -573,6 +873,12 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                          help=f"Apache Kafka version from Maven Central ({DEFAULT_VERSION})")
     p_start.add_argument("--timeout", type=float, default=90.0,
                          help="seconds to wait for the broker to accept clients (90)")
+    p_start.add_argument("--tls", action="store_true",
+                         help="TLS on the client port, with a CA made for this data dir "
+                         "(DATA_DIR/tls/ca.pem: point TRAINSENTRY_KAFKA_SSL_CAFILE at it)")
+    p_start.add_argument("--sasl-scram", metavar="USER", default="",
+                         help=f"require a SASL/SCRAM login (SCRAM-SHA-512 and -256) as USER; the "
+                         f"password is read from {_PASSWORD_VAR}, never from the command line")
     p_start.set_defaults(func=_cmd_start)
 
     p_stop = sub.add_parser("stop", help="stop the broker started for that port/data dir")
@@ -593,11 +899,34 @@ def _cache_dir_from_env(env: Mapping[str, str] | None = None) -> Path | None:
     return Path(value) if value else None
 
 
+def _security_from_args(args: argparse.Namespace,
+                        env: Mapping[str, str] | None = None) -> LocalSecurity:
+    """The entry point's reading of --tls, --sasl-scram and the password variable."""
+    env = os.environ if env is None else env
+    user = args.sasl_scram or ""
+    if ":" in user:
+        # Never echo the value: it may be USER:PASSWORD.
+        raise KafkaSetupError(f"--sasl-scram takes only the user name; put the password in "
+                              f"{_PASSWORD_VAR} so it stays out of ps and shell history")
+    password = env.get(_PASSWORD_VAR, "") if user else ""
+    if user and not password:
+        raise KafkaSetupError(f"--sasl-scram {user} needs the password in {_PASSWORD_VAR}")
+    return LocalSecurity(tls=bool(args.tls), scram_user=user, scram_password=Secret(password))
+
+
 def _cmd_start(args: argparse.Namespace) -> int:
     # KafkaSetupError propagates: the CLI's main prints it to stderr and exits non-zero.
+    security = _security_from_args(args)
     address = start(port=args.port, data_dir=args.data_dir, version=args.kafka_version,
-                    cache_dir=_cache_dir_from_env(), timeout=args.timeout)
+                    cache_dir=_cache_dir_from_env(), timeout=args.timeout, security=security)
     print(address)  # the contract: exactly the bootstrap address on stdout
+    if security.protocol != "PLAINTEXT":
+        env = client_env(port=args.port, data_dir=args.data_dir, security=security)
+        lines = [f"export {k}={v}" for k, v in env.items()]
+        if security.scram_user:
+            lines.append(f"export {_PASSWORD_VAR}=...  # the password you started it with")
+        _complain(f"kafka start: {security.protocol} on {address}; clients need:\n  "
+                  + "\n  ".join(lines))
     return 0
 
 
@@ -614,9 +943,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if not is_running(port=args.port, data_dir=data):
         print(f"not running ({data})")
         return 1
-    serving = _answers(address)
-    print(f"{'running' if serving else 'starting or unhealthy'} {address} pid {_read_pid(data)} "
-          f"({data})")
+    serving = _answers(_probe_address(data, args.port))  # INTERNAL listener if secured
+    protocol = _running_protocol(data)
+    shown = "" if protocol == "PLAINTEXT" else f" {protocol}"
+    print(f"{'running' if serving else 'starting or unhealthy'} {address}{shown} "
+          f"pid {_read_pid(data)} ({data})")
     return 0 if serving else 1
 
 

@@ -16,6 +16,12 @@ __all__ = ["canonical_json", "sign_body", "sign_command", "verify_command", "DEF
 
 #: A command older than this (or dated this far in the future) is refused.
 DEFAULT_MAX_AGE_S = 300.0
+_SIG_HEX_LEN = 2 * hashlib.sha256().digest_size
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in _HEX for c in text)
 
 
 def canonical_json(body: Mapping[str, Any]) -> bytes:
@@ -49,8 +55,12 @@ def verify_command(raw: Mapping[str, Any], secret: str, *, run_id: str | None, n
     sig = raw.get("sig")
     if not isinstance(sig, str) or not sig:
         raise SignatureError("command has no signature")
+    # compare_digest raises TypeError on a str with non-ASCII characters, so a forged sig
+    # must be refused as a SignatureError before it gets there (and compared as bytes).
+    if len(sig) != _SIG_HEX_LEN or not _is_hex(sig):
+        raise SignatureError("signature is not 64 hex digits (HMAC-SHA256)")
     expected = sign_body(body, secret)
-    if not hmac.compare_digest(expected, sig.lower()):
+    if not hmac.compare_digest(expected.encode("ascii"), sig.lower().encode("ascii")):
         raise SignatureError("signature does not match (wrong secret or altered command)")
     command = ControlCommand.from_dict(raw)
     if run_id is not None and command.run_id != run_id:

@@ -951,14 +951,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         else:
             write_jsonl(events, out)
     if args.publish:
-        from producers.kafka import make_sender  # lazy: kafka is only needed to publish
+        from producers.kafka import KafkaOptions, make_sender  # lazy: only needed to publish
+        from trainsentry.config import load_settings
 
         bootstrap = args.bootstrap or os.environ.get("TRAINSENTRY_KAFKA_BOOTSTRAP",
                                                      "127.0.0.1:9092")
         prefix = args.prefix if args.prefix is not None else os.environ.get(
             "TRAINSENTRY_TOPIC_PREFIX", "trainsentry.")
         try:
-            send = make_sender(bootstrap, prefix)
+            # The TRAINSENTRY_KAFKA_* security settings (SASL/TLS) come from the environment.
+            options = KafkaOptions.from_settings(load_settings(kafka_bootstrap=bootstrap))
+            send = make_sender(options, prefix)
             try:
                 n = publish(events, send=send, speed=args.speed)
             finally:

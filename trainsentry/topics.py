@@ -10,26 +10,26 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from trainsentry.config import Topics
+from trainsentry.config import Topics, load_settings
 from trainsentry.errors import ConfigError, KafkaSetupError
+from trainsentry.kafka_security import describe_failure, diagnose, settings_security
 
 __all__ = ["add_cli", "create_topics", "wait_for_broker"]
 
 logger = logging.getLogger(__name__)
 
-_FIX_BOOTSTRAP = ("start one with `trainsentry kafka start` or point "
-                  "TRAINSENTRY_KAFKA_BOOTSTRAP (--bootstrap) at a running broker")
+def _admin(bootstrap: str, *, timeout: float, client_config: Mapping[str, Any] | None,
+           explain: bool = True) -> Any:
+    """A KafkaAdminClient, with kafka-python's errors translated into ours.
 
-
-def _admin(bootstrap: str, *, timeout: float, client_config: Mapping[str, Any] | None) -> Any:
-    """A KafkaAdminClient, with kafka-python's errors translated into ours."""
+    ``explain``: probe the broker to say why it cannot be used (TLS, SASL login, down).
+    """
     from kafka import KafkaAdminClient  # imported late: trainers that only publish skip it
     from kafka.errors import KafkaError
 
@@ -39,12 +39,13 @@ def _admin(bootstrap: str, *, timeout: float, client_config: Mapping[str, Any] |
     if "bootstrap_timeout_ms" in KafkaAdminClient.DEFAULT_CONFIG:  # kafka-python >= 3
         config["bootstrap_timeout_ms"] = ms
     config.update(client_config or {})
+    config["bootstrap_servers"] = bootstrap
     try:
         return KafkaAdminClient(**config)
-    except KafkaError as exc:
-        raise KafkaSetupError(f"no Kafka broker answers at {bootstrap} ({exc}); {_FIX_BOOTSTRAP}") from exc
-    except (OSError, ValueError) as exc:
-        raise KafkaSetupError(f"cannot connect to Kafka at {bootstrap!r} ({exc}); {_FIX_BOOTSTRAP}") from exc
+    except (KafkaError, OSError, ValueError) as exc:
+        why = (describe_failure(bootstrap, client_config or {}, exc) if explain
+               else f"{type(exc).__name__}: {exc}")
+        raise KafkaSetupError(f"cannot use Kafka at {bootstrap}: {why}") from exc
 
 
 def wait_for_broker(bootstrap: str, timeout: float = 30.0, *,
@@ -52,30 +53,30 @@ def wait_for_broker(bootstrap: str, timeout: float = 30.0, *,
     """Block until a broker at bootstrap answers a metadata request, or raise KafkaSetupError.
 
     Services start alongside their broker (CI, compose files); waiting here turns a race
-    into a short delay instead of a crash.
+    into a short delay instead of a crash. A problem waiting cannot fix (an untrusted TLS
+    certificate, a refused SASL login, a protocol the listener does not speak) fails at
+    once, with what to change. ``client_config``: kafka-python security settings.
     """
     from kafka.errors import KafkaError
 
     deadline = time.monotonic() + timeout
-    last: Exception | None = None
     while True:
         remaining = deadline - time.monotonic()
         try:
             admin = _admin(bootstrap, timeout=max(1.0, min(5.0, remaining)),
-                           client_config=client_config)
+                           client_config=client_config, explain=False)
             try:
                 admin.list_topics()
                 return
             finally:
                 admin.close()
         except (KafkaSetupError, KafkaError, OSError) as exc:
-            last = exc
-        if time.monotonic() >= deadline:
-            cause = last.__cause__ if isinstance(last, KafkaSetupError) and last.__cause__ else last
-            raise KafkaSetupError(
-                f"no Kafka broker answered at {bootstrap} within {timeout:.0f}s "
-                f"(last error: {cause}); {_FIX_BOOTSTRAP}"
-            ) from last
+            cause = exc.__cause__ if isinstance(exc, KafkaSetupError) and exc.__cause__ else exc
+            found = diagnose(bootstrap, client_config or {}, cause)
+            if found.permanent or time.monotonic() >= deadline:
+                waited = "" if found.permanent else f" within {timeout:.0f}s"
+                raise KafkaSetupError(f"no usable Kafka broker at {bootstrap}{waited}: "
+                                      f"{found.message}") from exc
         time.sleep(0.5)
 
 
@@ -197,14 +198,15 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def _cmd_create(args: argparse.Namespace) -> int:
-    # The entry point reads the environment; the library functions never do.
-    bootstrap = args.bootstrap or os.environ.get("TRAINSENTRY_KAFKA_BOOTSTRAP") or "127.0.0.1:9092"
-    prefix = args.prefix if args.prefix is not None else os.environ.get(
-        "TRAINSENTRY_TOPIC_PREFIX", "trainsentry.")
-    topics = Topics(prefix)
-    wait_for_broker(bootstrap, timeout=args.timeout)
-    created = create_topics(bootstrap=bootstrap, topics=topics, partitions=args.partitions,
-                            replication=args.replication, timeout=args.timeout)
+    # The entry point reads the environment (bootstrap, prefix and the TRAINSENTRY_KAFKA_*
+    # security settings); the library functions never do.
+    settings = load_settings(kafka_bootstrap=args.bootstrap, topic_prefix=args.prefix)
+    topics = settings.topics
+    security = settings_security(settings)
+    wait_for_broker(settings.kafka_bootstrap, timeout=args.timeout, client_config=security)
+    created = create_topics(bootstrap=settings.kafka_bootstrap, topics=topics,
+                            partitions=args.partitions, replication=args.replication,
+                            timeout=args.timeout, client_config=security)
     for name in topics.all():
         print(f"{'created' if name in created else 'exists '} {name}", file=sys.stderr)
     return 0

@@ -2,13 +2,28 @@
 
 From the operators' table in DOMAIN.md (and verl practice for the labels it does not
 cover). Alerts carry these so a message at 3 a.m. says what to do next.
+
+AlertEvents carry the English texts (:data:`KNOWLEDGE`): the engine is one for the stream
+app and ``trainsentry detect``, and scripts match on stable strings. Chat messages are
+localised when they are rendered: :func:`localize` swaps each known English text for its
+counterpart in :data:`KNOWLEDGE_ZH` (same label, same position) and leaves any other text
+as it is.
+
+>>> localize(["lower the learning rate", "page Bob"], "zh")
+['降低学习率', 'page Bob']
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
-__all__ = ["LABELS", "Knowledge", "KNOWLEDGE"]
+__all__ = ["LABELS", "LANGUAGES", "Knowledge", "KNOWLEDGE", "KNOWLEDGE_ZH", "knowledge",
+           "localize"]
+
+#: The languages chat messages are written in (``TRAINSENTRY_LANGUAGE``).
+LANGUAGES: tuple[str, ...] = ("zh", "en")
 
 LABELS: tuple[str, ...] = (
     "dataloader_stall", "kl_drift", "numeric_underflow", "comm_degradation", "memory_leak",
@@ -107,3 +122,117 @@ KNOWLEDGE: dict[str, Knowledge] = {
         ("watch the next steps; acknowledge if expected",),
     ),
 }
+
+
+#: The same knowledge in Chinese: per label, the title, checks and actions in the order of
+#: :data:`KNOWLEDGE` (commands, metric keys and setting names stay as they are typed).
+KNOWLEDGE_ZH: dict[str, Knowledge] = {
+    "dataloader_stall": Knowledge(
+        "输入流水线阻塞（GPU 在等数据）",
+        ("在 rollout 主机上运行 iostat -x 1（看 await、%util）", "nvidia-smi dmon -s u"),
+        ("检查数据集挂载 / 对象存储", "增加 data loader 的 worker 数",
+         "使用内存映射或本地缓存的数据集"),
+    ),
+    "kl_drift": Knowledge(
+        "与参考模型的 KL 持续失控",
+        ("短暂冻结 critic，看 KL 是否回落", "检查奖励函数是否有偏差或可被钻空子"),
+        ("降低 critic 学习率", "每次更新多做几步 critic", "复查奖励 prompt / 奖励塑形",
+         "调大 KL 系数"),
+    ),
+    "numeric_underflow": Knowledge(
+        "logits 下溢：空回复增多、回复长度塌缩",
+        ("采样前打印 logits 的最大/最小值", "检查 attention 是否在用 fp16"),
+        ("改用 bf16", "softmax 前裁剪 logits", "检查权重是否损坏"),
+    ),
+    "comm_degradation": Knowledge(
+        "通信（NCCL / 网络）性能退化",
+        ("nvidia-smi nvlink -g 0", "ibstat", "查看 NCCL_DEBUG=INFO 日志"),
+        ("重启 NCCL / 受影响的节点", "检查 RDMA 配置", "退回纯数据并行以确认问题"),
+    ),
+    "memory_leak": Knowledge(
+        "显存持续上涨，逼近 OOM",
+        ("对比一步前后的 torch.cuda.memory_summary()", "查找 retain_graph=True"),
+        ("确保 use_cache=False / 开启梯度检查点", "升级 PyTorch",
+         "用 tracemalloc 排查 Python 侧泄漏", "在 OOM 之前保存一个 checkpoint"),
+    ),
+    "nan_loss": Knowledge(
+        "损失或梯度范数为 NaN/inf",
+        ("在训练日志中找到第一次出现非有限值的步", "检查该步的 batch 是否有空样本或极端样本"),
+        ("回滚到最近一个健康的 checkpoint", "降低学习率", "开启梯度裁剪", "用 bf16 代替 fp16"),
+    ),
+    "training_hang": Knowledge(
+        "没有新的训练步",
+        ("在每个 rank 上运行 py-spy dump --pid <trainer pid>",
+         "设置 NCCL_DEBUG=INFO，检查是否卡在某个集合通信",
+         "进程 / 主机还活着吗？（ray status、dmesg）"),
+        ("杀掉进程并从最近的 checkpoint 重启", "设置 NCCL 超时（NCCL_TIMEOUT）"),
+    ),
+    "straggler": Knowledge(
+        "某个 rank 明显慢于其他 rank",
+        ("在慢主机上运行 nvidia-smi -q -d CLOCK,PERFORMANCE（是否降频？）",
+         "在 dmesg 中查找 XID 错误", "检查该主机的网络链路"),
+        ("摘除或替换慢节点", "重新均衡 rollout worker"),
+    ),
+    "gradient_instability": Knowledge(
+        "梯度范数不稳定",
+        ("画出最近几步的 actor/grad_norm 和 pg_clipfrac", "查找离群的样本或奖励"),
+        ("降低学习率", "收紧梯度裁剪", "增大 batch size"),
+    ),
+    "lr_drift": Knowledge(
+        "学习率偏离了配置的调度",
+        ("对比 actor/lr 与调度器配置（warmup、decay、总步数）",
+         "续训时是否恢复了调度器状态？",
+         "这次变化是计划内的吗？请在 actor_rollout_ref.actor.optim.lr_milestones 中声明"),
+        ("修正调度器配置或续训的起始步", "从 checkpoint 重启"),
+    ),
+    "entropy_collapse": Knowledge(
+        "策略熵坍缩（可能存在 reward hacking）",
+        ("抽读一些最近的回复，看是否重复或在钻空子", "对比奖励与验证集得分"),
+        ("回滚到坍缩之前", "调大熵系数或采样温度", "降低学习率", "修复奖励漏洞"),
+    ),
+    "stalled_learning": Knowledge(
+        "没有学习信号（训练已停滞）",
+        ("所有奖励都一样吗？在几个样本上检查奖励函数",
+         "回复是否都被 max_response_length 截断？（response_length/clip_ratio）"),
+        ("修复奖励函数或数据", "调大 max_response_length", "停止该运行：它在空耗 GPU 而没有学习"),
+    ),
+    "unknown": Knowledge(
+        "信号异常，但不符合已知模式",
+        ("查看该信号在这一步前后的曲线", "检查训练日志"),
+        ("观察接下来几步；如属预期请确认（ack）",),
+    ),
+}
+
+_BY_LANGUAGE: Mapping[str, Mapping[str, Knowledge]] = MappingProxyType(
+    {"en": MappingProxyType(KNOWLEDGE), "zh": MappingProxyType(KNOWLEDGE_ZH)})
+
+
+def knowledge(label: str, language: str = "en") -> Knowledge:
+    """The checks and actions of ``label`` in ``language`` (``unknown``'s for other labels)."""
+    if language not in _BY_LANGUAGE:
+        raise ValueError(f"language must be one of {', '.join(LANGUAGES)}, got {language!r}")
+    book = _BY_LANGUAGE[language]
+    return book.get(label, book["unknown"])
+
+
+def _translations(language: str) -> Mapping[str, str]:
+    out: dict[str, str] = {}
+    for label, en in KNOWLEDGE.items():
+        other = _BY_LANGUAGE[language][label]
+        for src, dst in ((en.checks, other.checks), (en.actions, other.actions),
+                         ((en.title,), (other.title,))):
+            out.update(zip(src, dst, strict=True))
+    return MappingProxyType(out)
+
+
+_TRANSLATIONS: Mapping[str, Mapping[str, str]] = MappingProxyType(
+    {lang: _translations(lang) for lang in _BY_LANGUAGE})
+
+
+def localize(texts: Iterable[str], language: str) -> list[str]:
+    """``texts`` (an alert's checks or actions) in ``language``: known English texts are
+    replaced by their translation, anything else (a custom action) is kept verbatim."""
+    table = _TRANSLATIONS.get(language)
+    if table is None:
+        raise ValueError(f"language must be one of {', '.join(LANGUAGES)}, got {language!r}")
+    return [table.get(t, t) for t in texts]

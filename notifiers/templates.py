@@ -5,6 +5,11 @@ alerts (a digest, built when a robot's rate limit makes alerts queue up) render 
 per problem, repeats of the same fingerprint folded together, then the full detail of the
 most severe one. Every message names each run_id verbatim and each diagnosis label
 (contract), and the list comes before the detail so size truncation cuts detail first.
+
+A repeated or escalated notice (:class:`notifiers.lifecycle.Notice` with ``repeat`` /
+``escalated``) says so in its title and body (``第 2 次提醒 · 已升级`` / ``repeat 2 ·
+escalated``). Checks and actions arrive in English on the AlertEvent and are shown in the
+message's language (:func:`detectors.knowledge.localize`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from detectors.knowledge import localize
 from trainsentry.errors import ConfigError
 from trainsentry.events import AlertEvent
 
@@ -24,6 +30,7 @@ __all__ = [
     "Rendered",
     "label_name",
     "severity_name",
+    "notice_badge",
     "render_title",
     "render_markdown",
     "render_text",
@@ -88,7 +95,10 @@ _WORDS: dict[str, dict[str, str]] = {
     "repeat": {"zh": "×{n}（步 {steps}）", "en": "×{n} (steps {steps})"},
     "at_step": {"zh": "第 {step} 步", "en": "step {step}"},
     "more": {"zh": "…（还有 {n} 行，详见看板）", "en": "…({n} more lines; see dashboard)"},
+    "repeat_n": {"zh": "第 {n} 次提醒", "en": "repeat {n}"},
+    "escalated": {"zh": "已升级", "en": "escalated"},
 }
+_REPEAT_ICON, _ESCALATED_ICON = "🔁", "⏫"
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +131,29 @@ def severity_name(alert: AlertEvent, language: str = "zh") -> str:
     if alert.status == "resolved":
         return _RESOLVED[language]
     return _SEVERITY_NAMES.get(alert.severity, _SEVERITY_NAMES["info"])[language]
+
+
+def _repeat_info(alerts: Sequence[AlertEvent]) -> tuple[int, bool]:
+    """The highest repeat number and whether any is escalated, among firing notices.
+
+    Plain AlertEvents have neither: only the lifecycle's Notice carries them."""
+    firing = [a for a in alerts if a.status == "firing"]
+    return (max((int(getattr(a, "repeat", 0) or 0) for a in firing), default=0),
+            any(bool(getattr(a, "escalated", False)) for a in firing))
+
+
+def notice_badge(alerts: AlertEvent | Sequence[AlertEvent], language: str = "zh", *,
+                 icons: bool = False) -> str:
+    """``第 2 次提醒 · 已升级`` / ``repeat 2 · escalated`` for a repeated or escalated notice,
+    ``""`` for a first notice or a resolve."""
+    lang = _lang(language)
+    repeat, escalated = _repeat_info(_alerts(alerts))
+    parts = []
+    if repeat:
+        parts.append(f"{_REPEAT_ICON} " * icons + _w("repeat_n", lang, n=repeat))
+    if escalated:
+        parts.append(f"{_ESCALATED_ICON} " * icons + _w("escalated", lang))
+    return " · ".join(parts)
 
 
 def _icon(alert: AlertEvent) -> str:
@@ -206,19 +239,27 @@ def render_title(alerts: AlertEvent | Sequence[AlertEvent], *, language: str = "
     seq = _alerts(alerts)
     if len(seq) == 1:
         a = seq[0]
-        return f"[trainsentry] {severity_name(a, lang)} {a.diagnosis} · {a.run_id}"
+        badge = notice_badge(a, lang)
+        return (f"[trainsentry] {severity_name(a, lang)} {a.diagnosis} · {a.run_id}"
+                + (f" · {badge}" if badge else ""))
+    # A digest's title tells only that someone is being paged; its lines tell the repeats.
+    tail = f" · {_w('escalated', lang)}" if _repeat_info(seq)[1] else ""
     runs = list(dict.fromkeys(a.run_id for a in seq))
     count = _w("digest_title", lang, n=len(seq))
     if len(runs) == 1:
-        return f"[trainsentry] {count} · {runs[0]}"
+        return f"[trainsentry] {count} · {runs[0]}{tail}"
     labels = list(dict.fromkeys(a.diagnosis for a in seq))
-    return f"[trainsentry] {count} · {', '.join(labels[:3])}{' …' if len(labels) > 3 else ''}"
+    return (f"[trainsentry] {count} · {', '.join(labels[:3])}{' …' if len(labels) > 3 else ''}"
+            f"{tail}")
 
 
 def _single_lines(a: AlertEvent, lang: str, f: _Fmt, *, heading: bool = True) -> list[str]:
     lines: list[str] = []
     head = f"{_icon(a)} [{f.severity(a, lang)}] {label_name(a.diagnosis, lang)} {f.code(a.diagnosis)}"
     lines.append(f.heading(head) if heading else f.bold(head) if f.markdown else head)
+    badge = notice_badge(a, lang, icons=True)
+    if badge:
+        lines.append(f.bold(badge))
     lines.append(f"{f.bold(_w('run', lang))}: {f.code(a.run_id)}")
     meta = [f"{f.bold(_w('step', lang))}: {a.step}"]
     if a.attempt:
@@ -250,10 +291,10 @@ def _single_lines(a: AlertEvent, lang: str, f: _Fmt, *, heading: bool = True) ->
             lines.append(f"- {f.code(signal)}: {_num(ev.get('value'))}{tail}")
     if a.checks:
         lines.append(f.section(_w("checks", lang)))
-        lines.extend(f"- {c}" for c in a.checks)
+        lines.extend(f"- {c}" for c in localize(a.checks, lang))
     if a.actions:
         lines.append(f.section(_w("actions", lang)))
-        lines.extend(f"{i}. {act}" for i, act in enumerate(a.actions, 1))
+        lines.extend(f"{i}. {act}" for i, act in enumerate(localize(a.actions, lang), 1))
     if a.secondary:
         causes = ", ".join(f"{f.code(s)} {label_name(s, lang)}" for s in a.secondary)
         lines.append(f"{f.bold(_w('secondary', lang))}: {causes}")
@@ -277,6 +318,9 @@ def _digest_lines(seq: list[AlertEvent], lang: str, f: _Fmt) -> list[str]:
                 steps = [str(a.step) for a in group]
                 steps_s = ", ".join(steps if len(steps) <= 4 else [*steps[:3], "…", steps[-1]])
                 line += " " + _w("repeat", lang, n=len(group), steps=steps_s)
+            badge = notice_badge(group, lang, icons=True)
+            if badge:
+                line += f" · {badge}"
             if last.summary:
                 line += f" — {last.summary}"
             lines.append(line)

@@ -10,6 +10,12 @@ run's book states written to the ``alert_book`` table (changelog-backed, keyed b
 like the alerts topic) and flushed, the transitions published to the history topic, and
 the batch acked, so Faust commits the offsets after delivery.
 
+After a crash, notices that were staged but not settled are finished first (for the
+receivers that had not acknowledged them), by the agent for the runs of its batch and by
+the timer for the others, before anything new of those runs is decided. The
+:class:`OffsetGuard` makes sure no record of the alerts topic is skipped on the way in
+(Faust can drop fetched records around a rebalance; see its docstring).
+
 Shutdown (SIGTERM) cancels the agent mid-delivery: the batch's messages are then held
 (an extra reference), so they are never acked nor committed and a restart redelivers them.
 A timer releases what waited: matured pending warnings, alerts whose silence expired or
@@ -22,19 +28,122 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from notifiers.lifecycle import AlertBook, Plan, Send
 from trainsentry.errors import EventError
 from trainsentry.events import AlertEvent, decode_record
 
-__all__ = ["install_notifier"]
+__all__ = ["install_notifier", "OffsetGuard"]
 
 log = logging.getLogger(__name__)
 
 #: How long the agent waits for the silences topic to be read before sending anyway.
 READY_WAIT_S = 30.0
+#: How long the agent may sit idle while a partition has records it never got before the
+#: guard seeks back to them, and the least time between two seeks to the same offset.
+STALL_S = 5.0
+
+
+class OffsetGuard:
+    """Finds alerts-topic records the stream skipped, so the agent can seek back to them.
+
+    Why: Faust (faust-streaming 0.15) can lose records it has already fetched when a
+    rebalance's table recovery completes. ``flow_control.resume()`` clears the stream
+    queues, and the seek back to the committed offsets that should fetch them again does
+    nothing when the group has no committed offset yet, or is undone by a fetch still in
+    flight (whose records move the read offset past the re-fetched ones, which are then
+    dropped as already read). Those records never reach the agent in this process: a
+    burst after a SIGKILL stalled half-delivered, or lost a run of alerts in the middle.
+    The agent is idempotent (the book skips alert ids it has handled), so reading a record
+    twice is harmless; skipping one is not.
+
+    Per partition the guard keeps the next offset the agent expects. A record past a hole
+    is held back (neither processed nor acked, so no commit can pass the hole) and the
+    agent seeks back to the hole; when the agent sits idle for ``stall_s`` while a
+    partition's high-water mark is past the expected offset, it seeks back too. A hole
+    that is still there after ``max_seeks`` seeks is taken for a real gap (transaction
+    markers, retention) and skipped. Pure bookkeeping: the agent feeds it offsets and
+    performs the seeks; ``clock`` is injectable for tests.
+    """
+
+    def __init__(self, *, stall_s: float = STALL_S, max_seeks: int = 10,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stall_s = stall_s
+        self.max_seeks = max_seeks
+        self._clock = clock
+        self._next: dict[int, int] = {}
+        #: partition -> (offset sought, seeks to it so far, when the last one was asked)
+        self._seeks: dict[int, tuple[int, int, float]] = {}
+        self._idle_since: float | None = clock()
+        self.seeks = 0
+        self.gaps_skipped = 0
+
+    def reset(self) -> None:
+        """Partitions moved (a rebalance): forget every position."""
+        self._next.clear()
+        self._seeks.clear()
+
+    def knows(self, partition: int) -> bool:
+        return partition in self._next
+
+    def expected(self, partition: int) -> int | None:
+        """The next offset the agent has to see on ``partition`` (None: not known yet)."""
+        return self._next.get(partition)
+
+    def start(self, partition: int, offset: int) -> None:
+        """Reading ``partition`` begins at ``offset`` (its committed offset), unless known."""
+        self._next.setdefault(partition, offset)
+
+    def busy(self) -> None:
+        """The agent took a batch."""
+        self._idle_since = None
+
+    def idle(self) -> None:
+        """The agent is waiting for the next batch."""
+        self._idle_since = self._clock()
+
+    def admit(self, partition: int, offset: int) -> tuple[bool, int | None]:
+        """``(process, seek_to)`` for one record: process it now or hold it back, and the
+        offset to seek ``partition`` back to (None: no seek now)."""
+        nxt = self._next.get(partition)
+        if nxt is None or offset == nxt:
+            self._next[partition] = offset + 1
+            return True, None
+        if offset < nxt:  # read again after a seek: the book skips what it handled
+            return True, None
+        target, count, at = self._seeks.get(partition, (nxt, 0, float("-inf")))
+        if target != nxt:
+            count, at = 0, float("-inf")
+        if count >= self.max_seeks:
+            log.warning("alerts partition %d: offsets %d..%d stayed missing after %d seeks; "
+                        "taking them for a gap in the topic", partition, nxt, offset - 1, count)
+            self._next[partition] = offset + 1
+            self._seeks.pop(partition, None)
+            self.gaps_skipped += 1
+            return True, None
+        return False, self._ask(partition, nxt, count, at)
+
+    def stalled(self, partition: int, highwater: int | None) -> int | None:
+        """The offset to seek ``partition`` back to when the agent sat idle for ``stall_s``
+        while records up to ``highwater`` (the partition's end offset) never came."""
+        nxt = self._next.get(partition)
+        if (nxt is None or highwater is None or highwater <= nxt or self._idle_since is None
+                or self._clock() - self._idle_since < self.stall_s):
+            return None
+        target, count, at = self._seeks.get(partition, (nxt, 0, float("-inf")))
+        if target != nxt:
+            count, at = 0, float("-inf")
+        return self._ask(partition, nxt, count, at)
+
+    def _ask(self, partition: int, offset: int, count: int, at: float) -> int | None:
+        now = self._clock()
+        if now - at < self.stall_s:
+            return None  # a seek to it is on its way
+        self._seeks[partition] = (offset, count + 1, now)
+        self.seeks += 1
+        return offset
 
 
 def _run_keyed_table(app: Any, name: str, partitions: int) -> Any:
@@ -62,7 +171,8 @@ def _run_keyed_table(app: Any, name: str, partitions: int) -> Any:
 
 
 def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, partitions: int,
-                     batch: int = 100, within_s: float = 0.2, due_interval_s: float = 1.0) -> None:
+                     batch: int = 100, within_s: float = 0.2, due_interval_s: float = 1.0,
+                     stall_s: float = STALL_S) -> None:
     """Declare the ``alert_book`` table, the notify agent and its timers."""
     from stream_app.alerting_api import Alerting
 
@@ -79,8 +189,13 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
     dirty: set[str] = set()
     state: dict[str, Any] = {"generation": 0, "seen_generation": 0, "scanned": False,
                              "flusher": None}
+    guard = OffsetGuard(stall_s=stall_s)
+    held: dict[int, list[Any]] = {}  # partition -> messages held back past a hole
+    topic_names = set(alerts_topic.topics)
     for key in ("delivered", "duplicates_skipped", "notices", "held_on_shutdown"):
         svc.extra[key] = 0
+    # shown by GET /api/alerting
+    ctx.stats.update(offset_seeks=0, resumed_notices=0)
 
     def health() -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -95,6 +210,14 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
             waiting.clear()
             state["scanned"] = False
             state["seen_generation"] = state["generation"]
+
+    def owned_tps() -> dict[int, Any]:
+        """The alerts-topic partitions this worker holds now (partition -> TP)."""
+        try:
+            assignment = app.consumer.assignment()
+        except Exception:  # the consumer is not started yet: nothing is assigned
+            return {}
+        return {tp.partition: tp for tp in assignment if tp.topic in topic_names}
 
     def load(run_ids: Iterable[str]) -> None:
         for run_id in run_ids:
@@ -163,6 +286,17 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
         await ctx.publish_history(records)
         return True
 
+    async def resume(run_ids: Sequence[str]) -> bool:
+        """Finish the notices these runs staged before a crash, before anything new."""
+        staged = [r for r in run_ids if (run := book.runs.get(r)) is not None and run.outbox]
+        if not staged:
+            return True
+        plan = book.resume(staged)
+        log.info("resuming %d staged notice(s) of %d run(s) for the receivers that had not "
+                 "acknowledged them", len(plan.sends), len(staged))
+        ctx.stats["resumed_notices"] += len(plan.sends)
+        return await execute(plan)
+
     def decode(events: Sequence[Any]) -> list[AlertEvent]:
         alerts: list[AlertEvent] = []
         for event in events:
@@ -181,51 +315,118 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
             event.message.incref()
         svc.extra["held_on_shutdown"] += len(events)
 
+    async def start_of(tp: Any) -> int:
+        """Where this generation's reading of ``tp`` began: the group's committed offset."""
+        # Faust keeps the committed offsets it sought to at the last rebalance (faust-
+        # streaming is pinned; without it the guard starts at the first record it sees).
+        committed = getattr(app.consumer, "_committed_offset", {}).get(tp)
+        if committed is not None:
+            return int(committed)
+        # None: nothing committed (or 0): the group reads from the earliest record
+        earliest = await app.consumer.earliest_offsets(tp)
+        return int(earliest.get(tp) or 0)
+
+    async def seek(tp: Any, offset: int, why: str) -> None:
+        log.warning("alerts partition %d: %s; seeking back to offset %d to read it again",
+                    tp.partition, why, offset)
+        ctx.stats["offset_seeks"] += 1
+        await app.consumer.seek(tp, offset)
+
+    async def admit(events: Sequence[Any]) -> list[Any]:
+        """The events to process now; those past a hole are held until it is read again."""
+        out: list[Any] = []
+        wanted: dict[int, int] = {}
+        for event in events:
+            msg = event.message
+            if not guard.knows(msg.partition):
+                guard.start(msg.partition, await start_of(msg.tp))
+            ok, seek_to = guard.admit(msg.partition, msg.offset)
+            if seek_to is not None:
+                wanted[msg.partition] = seek_to
+            if ok:
+                out.append(event)
+            else:
+                msg.incref()  # not acked by the stream: no commit passes the hole
+                held.setdefault(msg.partition, []).append(msg)
+        tps = owned_tps()
+        for partition, offset in wanted.items():
+            if partition in tps:
+                await seek(tps[partition], offset, "records were skipped on the way in")
+        return out
+
+    def release() -> None:
+        """Let go of held messages once the agent has read past them again."""
+        for partition, msgs in list(held.items()):
+            nxt = guard.expected(partition)
+            keep = []
+            for msg in msgs:
+                if nxt is not None and msg.offset < nxt:
+                    msg.ack(app.consumer)
+                else:
+                    keep.append(msg)
+            held[partition] = keep
+
     @app.agent(alerts_topic, name="trainsentry.notify")  # type: ignore[untyped-decorator]
     async def notify(stream: Any) -> None:
         async for events in stream.take_events(batch, within=within_s):
-            if not ctx.ready.is_set():
-                try:
-                    await asyncio.wait_for(ctx.ready.wait(), READY_WAIT_S)
-                except TimeoutError:
-                    log.warning("silences not loaded after %.0fs; notifying without them",
-                                READY_WAIT_S)
-                    ctx.ready.set()
-            alerts = decode(events)
-            if not alerts:
-                continue
-            for alert in alerts:
-                ctx.history.note(alert)
-            done = False
-            runs = {a.run_id for a in alerts}
+            guard.busy()
             try:
-                async with lock:
-                    sync_generation()
-                    load(runs)
+                await handle(events)
+            finally:
+                guard.idle()
+
+    async def handle(events: Sequence[Any]) -> None:
+        if not ctx.ready.is_set():
+            try:
+                await asyncio.wait_for(ctx.ready.wait(), READY_WAIT_S)
+            except TimeoutError:
+                log.warning("silences not loaded after %.0fs; notifying without them",
+                            READY_WAIT_S)
+                ctx.ready.set()
+        events = await admit(events)
+        alerts = decode(events)
+        if not alerts:
+            release()
+            return
+        for alert in alerts:
+            ctx.history.note(alert)
+        done = False
+        runs = sorted({a.run_id for a in alerts})
+        try:
+            async with lock:
+                sync_generation()
+                load(runs)
+                if await resume(runs):
                     now = time.time()
                     plan = book.observe(alerts, now=now, silences=ctx.silences.active(now),
                                         acks=ctx.silences.acks)
                     svc.extra["duplicates_skipped"] += plan.duplicates
                     done = await execute(plan)
-            except BaseException:
-                if not done:
-                    hold(events)
-                    forget(runs)
-                raise
+        except BaseException:
             if not done:
                 hold(events)
                 forget(runs)
-                raise RuntimeError("notifier closed before delivery settled; batch held")
+            raise
+        if not done:
+            hold(events)
+            forget(runs)
+            raise RuntimeError("notifier closed before delivery settled; batch held")
+        release()
 
     @app.timer(interval=due_interval_s, name="trainsentry.alert_due")  # type: ignore[untyped-decorator]
     async def due() -> None:
-        if not ctx.ready.is_set():
+        # During a rebalance the table is being recovered: what it holds may be stale.
+        if not ctx.ready.is_set() or app.rebalancing:
             return
         async with lock:
             sync_generation()
             if not state["scanned"]:
+                mine = set(owned_tps())
+                # Only runs of partitions this worker holds: the in-memory store keeps the
+                # keys of partitions that moved to another worker, stale.
                 for key, raw in list(table.items()):
-                    if raw and (b'"notified":false' in raw or b'"outbox":[{' in raw):
+                    if raw and table.partition_for_key(key) in mine and (
+                            b'"notified":false' in raw or b'"outbox":[{' in raw):
                         waiting.add(key.decode())
                 state["scanned"] = True
             if not waiting:
@@ -237,6 +438,10 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
                 plan = book.resume(run_ids) if step == "resume" else book.due(
                     now=now, silences=ctx.silences.active(now), acks=ctx.silences.acks,
                     run_ids=run_ids)
+                if step == "resume" and plan.sends:
+                    log.info("resuming %d staged notice(s) of %d run(s) for the receivers "
+                             "that had not acknowledged them", len(plan.sends), len(plan.runs))
+                    ctx.stats["resumed_notices"] += len(plan.sends)
                 try:
                     ok = await execute(plan)
                 except BaseException:
@@ -250,9 +455,27 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
                 if run is not None and not run.waiting:
                     waiting.discard(run_id)
 
+    @app.timer(interval=1.0, name="trainsentry.alert_offsets")  # type: ignore[untyped-decorator]
+    async def offsets() -> None:
+        # The guard's second half: records that never came while the agent sat idle.
+        if app.rebalancing:
+            return
+        for partition, tp in owned_tps().items():
+            highwater = app.consumer.highwater(tp)
+            if highwater is None:
+                continue
+            if not guard.knows(partition):
+                guard.start(partition, await start_of(tp))
+            target = guard.stalled(partition, highwater)
+            if target is not None:
+                await seek(tp, target, f"records up to offset {highwater - 1} never reached "
+                                       f"the agent")
+
     @app.on_partitions_revoked.connect  # type: ignore[untyped-decorator]
     async def on_revoked(app_: Any, revoked: Any, **_: Any) -> None:
         state["generation"] += 1
+        guard.reset()
+        held.clear()  # an old generation's messages: the next one reads them again
 
     @app.timer(interval=5.0, name="trainsentry.notifier_health")  # type: ignore[untyped-decorator]
     async def health_timer() -> None:

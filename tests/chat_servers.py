@@ -180,6 +180,10 @@ class _RobotServer:
         """Answer every request with HTTP ``status`` for the next ``seconds``."""
         self._failures.append(_Failure(status=status, until=time.monotonic() + seconds))
 
+    def heal(self) -> None:
+        """Forget every injected failure: answer normally from now on."""
+        self._failures.clear()
+
     # -- inspection ------------------------------------------------------------------------
     def errcodes(self) -> Counter[int | None]:
         return Counter(r.errcode for r in self.requests)

@@ -6,11 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from detectors.knowledge import KNOWLEDGE, KNOWLEDGE_ZH, knowledge, localize
+from notifiers.lifecycle import Notice
 from notifiers.templates import (
     LABEL_NAMES,
     WECOM_MARKDOWN_MAX_BYTES,
     label_name,
     more_line,
+    notice_badge,
     render_markdown,
     render_text,
     render_title,
@@ -18,6 +21,7 @@ from notifiers.templates import (
     truncate_utf8,
 )
 from trainsentry.errors import ConfigError
+from trainsentry.events import AlertEvent
 
 pytest.register_assert_rewrite("tests.chat_servers")
 from tests.chat_servers import make_alert  # noqa: E402
@@ -176,3 +180,105 @@ def test_truncate_utf8_never_exceeds_the_limit(text: str, max_bytes: int, langua
         body = out.rsplit("\n", 1)[0] if "\n" in out else ""
         whole = [line for line in body.split("\n") if body and not line.endswith("…")]
         assert "\n".join(whole) == "\n".join(text.split("\n")[: len(whole)])
+
+
+# -- repeats and escalation (notifiers.lifecycle.Notice) ------------------------------------
+
+def _notice(*, repeat: int = 0, escalated: bool = False, **overrides: object) -> Notice:
+    return Notice.of(make_alert(**overrides), repeat=repeat, escalated=escalated)
+
+
+@pytest.mark.parametrize(("language", "repeat_text", "escalated_text"),
+                         [("zh", "第 3 次提醒", "已升级"), ("en", "repeat 3", "escalated")])
+def test_escalated_repeat_says_so_in_title_and_body(language: str, repeat_text: str,
+                                                    escalated_text: str) -> None:
+    """An escalated third repeat shows "第 3 次提醒 · 已升级" / "repeat 3 · escalated"
+    in the title and the body of every rendering."""
+    notice = _notice(repeat=3, escalated=True)
+    assert render_title(notice, language=language).endswith(f"{repeat_text} · {escalated_text}")
+    for text in (render_markdown(notice, language=language).text,
+                 render_text(notice, language=language).text,
+                 render_wecom_markdown(notice, language=language)):
+        head = "\n".join(text.splitlines()[:3])  # next to the headline, not in the detail
+        assert f"🔁 {repeat_text} · ⏫ {escalated_text}" in head
+
+
+def test_repeat_without_escalation_shows_only_the_count() -> None:
+    """A repeat below the escalation threshold says which reminder it is, not "escalated"."""
+    text = render_markdown(_notice(repeat=1), language="zh").text
+    assert "🔁 第 1 次提醒" in text and "已升级" not in text
+    assert notice_badge(_notice(repeat=1), "en") == "repeat 1"
+
+
+@pytest.mark.parametrize("alert", [make_alert(), _notice(), _notice(status="resolved")],
+                         ids=["alert-event", "first-notice", "resolved"])
+def test_first_notice_and_resolve_carry_no_badge(alert: AlertEvent) -> None:
+    """A plain AlertEvent, a first notice and a resolve have no repeat/escalation badge."""
+    assert notice_badge(alert, "zh") == ""
+    for language in ("zh", "en"):
+        text = render_markdown(alert, language=language)
+        for word in ("次提醒", "已升级", "repeat ", "escalated"):
+            assert word not in text.text and word not in text.title
+
+
+def test_digest_line_shows_repeat_and_escalation_and_title_says_escalated() -> None:
+    """In a digest the repeated problem's line carries its badge; the title flags escalation."""
+    alerts = [_notice(id="a", repeat=2, escalated=True),
+              _notice(id="b", run_id="ppo/exp9", fingerprint="fp-kl", diagnosis="kl_drift")]
+    for language, badge, flag in (("zh", "🔁 第 2 次提醒 · ⏫ 已升级", "已升级"),
+                                  ("en", "🔁 repeat 2 · ⏫ escalated", "escalated")):
+        r = render_text(alerts, language=language)
+        lines = r.text.splitlines()
+        assert any("dataloader_stall" in line and badge in line for line in lines)
+        assert not any("kl_drift" in line and badge in line for line in lines)
+        assert r.title.endswith(f" · {flag}")
+
+
+# -- knowledge in the message's language ---------------------------------------------------
+
+@pytest.mark.parametrize("label", VOCABULARY)
+def test_zh_message_shows_the_labels_checks_and_actions_in_chinese(label: str) -> None:
+    """The default language: the knowledge base's checks and actions appear in Chinese."""
+    en, zh = knowledge(label, "en"), knowledge(label, "zh")
+    alert = make_alert(diagnosis=label, checks=list(en.checks), actions=list(en.actions))
+    text = render_markdown(alert, language="zh").text
+    for line in (*zh.checks, *zh.actions):
+        assert line in text, line
+    for line in (*en.checks, *en.actions):
+        if line not in (*zh.checks, *zh.actions):  # a bare command reads the same in both
+            assert line not in text, line
+
+
+@pytest.mark.parametrize("label", VOCABULARY)
+def test_en_message_keeps_the_english_checks_and_actions(label: str) -> None:
+    """language='en' shows the AlertEvent's English texts unchanged."""
+    en = knowledge(label, "en")
+    alert = make_alert(diagnosis=label, checks=list(en.checks), actions=list(en.actions))
+    text = render_text(alert, language="en").text
+    for i, action in enumerate(en.actions, 1):
+        assert f"{i}. {action}" in text
+    for check in en.checks:
+        assert f"- {check}" in text
+
+
+def test_custom_actions_outside_the_knowledge_base_stay_verbatim() -> None:
+    """Texts the knowledge base does not know (custom rules) are shown as they came."""
+    alert = make_alert(actions=["page the data team", "lower the learning rate"])
+    text = render_text(alert, language="zh").text
+    assert "1. page the data team" in text and "2. 降低学习率" in text
+
+
+def test_every_label_has_chinese_knowledge_parallel_to_the_english() -> None:
+    """Each label's zh title, checks and actions exist, are Chinese and match the en ones
+    one to one; one English text always gets the same translation."""
+    assert set(KNOWLEDGE_ZH) == set(KNOWLEDGE) == set(VOCABULARY)
+    seen: dict[str, str] = {}
+    for label in VOCABULARY:
+        en, zh = KNOWLEDGE[label], KNOWLEDGE_ZH[label]
+        assert len(zh.checks) == len(en.checks) and len(zh.actions) == len(en.actions), label
+        for src, dst in zip((en.title, *en.checks, *en.actions),
+                            (zh.title, *zh.checks, *zh.actions), strict=True):
+            assert dst == src or any("\u4e00" <= ch <= "\u9fff" for ch in dst), (label, dst)
+            assert seen.setdefault(src, dst) == dst, (label, src)
+    assert localize(list(KNOWLEDGE["nan_loss"].actions), "zh") == list(KNOWLEDGE_ZH["nan_loss"].actions)
+    assert knowledge("not_a_label", "zh") == KNOWLEDGE_ZH["unknown"]

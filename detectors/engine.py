@@ -201,7 +201,8 @@ class Engine:
                 state.config = dict(cfg)
             state.finished = False
         elif ev.type == "checkpoint_saved" and ev.step is not None:
-            state.checkpoints.append((ev.step, ev.ts))
+            if (ev.step, ev.ts) not in state.checkpoints:  # read twice after a seek
+                state.checkpoints.append((ev.step, ev.ts))
             del state.checkpoints[:-50]
         elif ev.type == "heartbeat":
             state.last_beat_ts = max(state.last_beat_ts or ev.ts, ev.ts)

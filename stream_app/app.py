@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from detectors.engine import Engine, EngineConfig, RunState
+from stream_app.offsets import OffsetGuard, highwater, install_commit_fix, start_offset
 from stream_app.pipeline import Outcome, Pipeline, Record, dump_state, load_state
 from trainsentry.config import Settings
 from trainsentry.errors import EventError
@@ -90,6 +91,9 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
     if credentials is not None:
         app_kwargs["broker_credentials"] = credentials
     app = faust.App(settings.app_id, **app_kwargs)
+    # detect acks out of order (dirty runs below): Faust's commit check alone could commit
+    # past a record still held (stream_app/offsets.py, docs/operations.md).
+    install_commit_fix(app)
     app.trainsentry = svc  # type: ignore[attr-defined]
     app.trainsentry_pipeline = pipeline  # type: ignore[attr-defined]
 
@@ -110,6 +114,12 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
     # it. Those records stay un-acked (so their offsets are not committed) until the state
     # is written: a crash then replays them onto the last written state, never skips them.
     dirty: dict[str, list[Any]] = {}
+    # Faust can drop records it fetched when a rebalance's table recovery completes: the
+    # guard finds the hole, holds the records past it (un-acked) and seeks back to it.
+    guard = OffsetGuard(name="metrics")
+    held: dict[Any, dict[int, list[Any]]] = {}  # TP -> offset -> messages held past a hole
+    source_topics = set(source.topics)
+    svc.extra["offset_seeks"] = 0
 
     async def send(record: Record) -> None:
         await sinks[record.topic].send(key=record.key, value=record.value,
@@ -130,11 +140,16 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
         for message in dirty.pop(state.run_id, ()):
             message.ack(app.consumer)
 
-    def hold(state: RunState, message: Any | None) -> None:
-        held = dirty.setdefault(state.run_id, [])
+    def hold(state: RunState, message: Any | None, companions: list[Any]) -> None:
+        waiting = dirty.setdefault(state.run_id, [])
         if message is not None:
             message.incref()
-            held.append(message)
+            waiting.append(message)
+        waiting.extend(companions)  # already holding a reference
+
+    def ack_all(messages: list[Any]) -> None:
+        for message in messages:
+            message.ack(app.consumer)
 
     async def flush_states() -> None:
         for run_id in list(dirty):
@@ -145,11 +160,13 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
                 for message in dirty.pop(run_id, ()):
                     message.ack(app.consumer)
 
-    async def publish(outcome: Outcome, state: RunState, message: Any | None = None) -> None:
+    async def publish(outcome: Outcome, state: RunState, message: Any | None = None,
+                      companions: list[Any] | None = None) -> None:
         if outcome.outputs:
             store(state)  # what goes out must be in the changelog first
+            ack_all(companions or [])
         else:
-            hold(state, message)
+            hold(state, message, companions or [])
         sent_commands = svc.commands
         for record in outcome.records:
             await send(record)
@@ -159,36 +176,69 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
                 svc.commands += 1
         recorder.on_outcome(state, outcome.outputs, svc.commands - sent_commands)
 
+    async def seek(tp: Any, offset: int, why: str) -> None:
+        log.warning("%s[%d]: %s; seeking back to offset %d to read it again", tp.topic,
+                    tp.partition, why, offset)
+        svc.extra["offset_seeks"] += 1
+        await app.consumer.seek(tp, offset)
+
+    async def admit(msg: Any) -> list[Any] | None:
+        """None: ``msg`` is past a hole, held back. Else the originals of this offset that
+        were held back before, to be acked together with ``msg``."""
+        tp = msg.tp
+        if not guard.knows(tp):
+            guard.start(tp, await start_offset(app.consumer, tp))
+        ok, seek_to = guard.admit(tp, msg.offset)
+        if seek_to is not None and tp in app.consumer.assignment():
+            await seek(tp, seek_to, "records were skipped on the way in")
+        if not ok:
+            msg.incref()  # not acked by the stream: no commit passes the hole
+            held.setdefault(tp, {}).setdefault(msg.offset, []).append(msg)
+            return None
+        return held.get(tp, {}).pop(msg.offset, [])
+
     @app.agent(source, name="trainsentry.detect")
     async def detect(stream: Any) -> None:
         async for event in stream.events():
-            msg = event.message
-            svc.consumed[msg.topic] = svc.consumed.get(msg.topic, 0) + 1
+            guard.busy()
             try:
-                decoded = pipeline.decode(msg.topic, event.key, event.value)
-            except EventError as exc:
-                svc.deadletters += 1
-                log.warning("dead-lettered record %s[%d]@%d: %s", msg.topic, msg.partition,
-                            msg.offset, exc)
-                await send(pipeline.deadletter(msg.topic, msg.partition, msg.offset, event.key,
-                                               event.value, str(exc)))
-                continue
-            recorder.on_event(decoded)
-            run_partition[event.key or decoded.run_id.encode()] = msg.partition
-            state = get_state(decoded.run_id)
-            try:
-                outcome = pipeline.handle(state, decoded)
-            except Exception as exc:  # a bug must not stop every other run
-                svc.deadletters += 1
-                svc.extra["engine_errors"] = svc.extra.get("engine_errors", 0) + 1
-                svc.errors.append(f"{type(exc).__name__}: {exc}"[:300])
-                del svc.errors[:-20]
-                log.exception("engine failed on %s[%d]@%d; dead-lettered", msg.topic,
-                              msg.partition, msg.offset)
-                await send(pipeline.deadletter(msg.topic, msg.partition, msg.offset, event.key,
-                                               event.value, f"engine error: {type(exc).__name__}: {exc}"))
-                continue
-            await publish(outcome, state, msg)
+                await handle(event)
+            finally:
+                guard.idle()
+
+    async def handle(event: Any) -> None:
+        msg = event.message
+        companions = await admit(msg)
+        if companions is None:
+            return
+        svc.consumed[msg.topic] = svc.consumed.get(msg.topic, 0) + 1
+        try:
+            decoded = pipeline.decode(msg.topic, event.key, event.value)
+        except EventError as exc:
+            svc.deadletters += 1
+            log.warning("dead-lettered record %s[%d]@%d: %s", msg.topic, msg.partition,
+                        msg.offset, exc)
+            await send(pipeline.deadletter(msg.topic, msg.partition, msg.offset, event.key,
+                                           event.value, str(exc)))
+            ack_all(companions)
+            return
+        recorder.on_event(decoded)
+        run_partition[event.key or decoded.run_id.encode()] = msg.partition
+        state = get_state(decoded.run_id)
+        try:
+            outcome = pipeline.handle(state, decoded)
+        except Exception as exc:  # a bug must not stop every other run
+            svc.deadletters += 1
+            svc.extra["engine_errors"] = svc.extra.get("engine_errors", 0) + 1
+            svc.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+            del svc.errors[:-20]
+            log.exception("engine failed on %s[%d]@%d; dead-lettered", msg.topic,
+                          msg.partition, msg.offset)
+            await send(pipeline.deadletter(msg.topic, msg.partition, msg.offset, event.key,
+                                           event.value, f"engine error: {type(exc).__name__}: {exc}"))
+            ack_all(companions)
+            return
+        await publish(outcome, state, msg, companions)
 
     @app.timer(interval=state_flush_s, name="trainsentry.state_flush")  # type: ignore[untyped-decorator]
     async def state_flush() -> None:
@@ -214,12 +264,36 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
             if state.last_evaluated != before or outcome.outputs:
                 await publish(outcome, state)
 
+    @app.timer(interval=1.0, name="trainsentry.metrics_offsets")  # type: ignore[untyped-decorator]
+    async def metrics_offsets() -> None:
+        # The guard's second half: records that never came while the agent sat idle.
+        if app.rebalancing:
+            return
+        try:
+            assignment = app.consumer.assignment()
+        except Exception:  # the consumer is not started yet: nothing is assigned
+            return
+        for tp in assignment:
+            if tp.topic not in source_topics:
+                continue
+            end = highwater(app.consumer, tp)
+            if end is None:
+                continue
+            if not guard.knows(tp):
+                guard.start(tp, await start_offset(app.consumer, tp))
+            target = guard.stalled(tp, end)
+            if target is not None:
+                await seek(tp, target, f"records up to offset {end - 1} never reached "
+                                       f"the agent")
+
     @app.on_partitions_revoked.connect  # type: ignore[misc]
     async def on_revoked(app_: Any, revoked: Any, **_: Any) -> None:
         # The cache is only valid for partitions we own; the table is the truth.
         await flush_states()
         await app.producer.flush()
         svc.cache.clear()
+        guard.reset()
+        held.clear()  # an old generation's messages: the next one reads them again
 
     @app.on_partitions_assigned.connect  # type: ignore[misc]
     async def on_assigned(app_: Any, assigned: Any, **_: Any) -> None:

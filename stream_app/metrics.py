@@ -80,6 +80,7 @@ METRIC_NAMES: frozenset[str] = frozenset({
     "trainsentry_deadletters_total", "trainsentry_engine_errors_total",
     "trainsentry_alerts_total", "trainsentry_alerts_delivered_total",
     "trainsentry_alert_duplicates_skipped_total",
+    "trainsentry_offset_seeks_total", "trainsentry_notify_resumed_notices_total",
     "trainsentry_notifications_sent_total", "trainsentry_notifications_failed_total",
     "trainsentry_notification_retries_total", "trainsentry_notifications_throttled_total",
     "trainsentry_notifier_queue", "trainsentry_notifier_state",
@@ -517,6 +518,14 @@ class ServiceCollector:
                       value=int(svc.extra.get("delivered", 0)))
         yield Counter("trainsentry_alert_duplicates_skipped", "Alerts skipped as already "
                       "delivered", value=int(svc.extra.get("duplicates_skipped", 0)))
+        ctx_stats = getattr(svc.extra.get("alerting"), "stats", None) or {}
+        seeks = Counter("trainsentry_offset_seeks", "Seeks back to records the stream skipped "
+                        "after a rebalance (stream_app/offsets.py OffsetGuard)", labels=["agent"])
+        seeks.add_metric(["detect"], int(svc.extra.get("offset_seeks", 0)))
+        seeks.add_metric(["notify"], int(ctx_stats.get("offset_seeks", 0)))
+        yield seeks
+        yield Counter("trainsentry_notify_resumed_notices", "Notices staged before a restart "
+                      "and sent after it", value=int(ctx_stats.get("resumed_notices", 0)))
         yield from self._notifier()
         runs = dict(svc.cache)
         yield Gauge("trainsentry_runs", "Runs held by this worker", value=len(runs))

@@ -28,10 +28,11 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from notifiers.lifecycle import AlertBook, Plan, Send
+from stream_app.offsets import STALL_S, OffsetGuard, highwater, start_offset
 from trainsentry.errors import EventError
 from trainsentry.events import AlertEvent, decode_record
 
@@ -41,111 +42,6 @@ log = logging.getLogger(__name__)
 
 #: How long the agent waits for the silences topic to be read before sending anyway.
 READY_WAIT_S = 30.0
-#: How long the agent may sit idle while a partition has records it never got before the
-#: guard seeks back to them, and the least time between two seeks to the same offset.
-STALL_S = 5.0
-
-
-class OffsetGuard:
-    """Finds alerts-topic records the stream skipped, so the agent can seek back to them.
-
-    Why: Faust (faust-streaming 0.15) can lose records it has already fetched when a
-    rebalance's table recovery completes. ``flow_control.resume()`` clears the stream
-    queues, and the seek back to the committed offsets that should fetch them again does
-    nothing when the group has no committed offset yet, or is undone by a fetch still in
-    flight (whose records move the read offset past the re-fetched ones, which are then
-    dropped as already read). Those records never reach the agent in this process: a
-    burst after a SIGKILL stalled half-delivered, or lost a run of alerts in the middle.
-    The agent is idempotent (the book skips alert ids it has handled), so reading a record
-    twice is harmless; skipping one is not.
-
-    Per partition the guard keeps the next offset the agent expects. A record past a hole
-    is held back (neither processed nor acked, so no commit can pass the hole) and the
-    agent seeks back to the hole; when the agent sits idle for ``stall_s`` while a
-    partition's high-water mark is past the expected offset, it seeks back too. A hole
-    that is still there after ``max_seeks`` seeks is taken for a real gap (transaction
-    markers, retention) and skipped. Pure bookkeeping: the agent feeds it offsets and
-    performs the seeks; ``clock`` is injectable for tests.
-    """
-
-    def __init__(self, *, stall_s: float = STALL_S, max_seeks: int = 10,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.stall_s = stall_s
-        self.max_seeks = max_seeks
-        self._clock = clock
-        self._next: dict[int, int] = {}
-        #: partition -> (offset sought, seeks to it so far, when the last one was asked)
-        self._seeks: dict[int, tuple[int, int, float]] = {}
-        self._idle_since: float | None = clock()
-        self.seeks = 0
-        self.gaps_skipped = 0
-
-    def reset(self) -> None:
-        """Partitions moved (a rebalance): forget every position."""
-        self._next.clear()
-        self._seeks.clear()
-
-    def knows(self, partition: int) -> bool:
-        return partition in self._next
-
-    def expected(self, partition: int) -> int | None:
-        """The next offset the agent has to see on ``partition`` (None: not known yet)."""
-        return self._next.get(partition)
-
-    def start(self, partition: int, offset: int) -> None:
-        """Reading ``partition`` begins at ``offset`` (its committed offset), unless known."""
-        self._next.setdefault(partition, offset)
-
-    def busy(self) -> None:
-        """The agent took a batch."""
-        self._idle_since = None
-
-    def idle(self) -> None:
-        """The agent is waiting for the next batch."""
-        self._idle_since = self._clock()
-
-    def admit(self, partition: int, offset: int) -> tuple[bool, int | None]:
-        """``(process, seek_to)`` for one record: process it now or hold it back, and the
-        offset to seek ``partition`` back to (None: no seek now)."""
-        nxt = self._next.get(partition)
-        if nxt is None or offset == nxt:
-            self._next[partition] = offset + 1
-            return True, None
-        if offset < nxt:  # read again after a seek: the book skips what it handled
-            return True, None
-        target, count, at = self._seeks.get(partition, (nxt, 0, float("-inf")))
-        if target != nxt:
-            count, at = 0, float("-inf")
-        if count >= self.max_seeks:
-            log.warning("alerts partition %d: offsets %d..%d stayed missing after %d seeks; "
-                        "taking them for a gap in the topic", partition, nxt, offset - 1, count)
-            self._next[partition] = offset + 1
-            self._seeks.pop(partition, None)
-            self.gaps_skipped += 1
-            return True, None
-        return False, self._ask(partition, nxt, count, at)
-
-    def stalled(self, partition: int, highwater: int | None) -> int | None:
-        """The offset to seek ``partition`` back to when the agent sat idle for ``stall_s``
-        while records up to ``highwater`` (the partition's end offset) never came."""
-        nxt = self._next.get(partition)
-        if (nxt is None or highwater is None or highwater <= nxt or self._idle_since is None
-                or self._clock() - self._idle_since < self.stall_s):
-            return None
-        target, count, at = self._seeks.get(partition, (nxt, 0, float("-inf")))
-        if target != nxt:
-            count, at = 0, float("-inf")
-        return self._ask(partition, nxt, count, at)
-
-    def _ask(self, partition: int, offset: int, count: int, at: float) -> int | None:
-        now = self._clock()
-        if now - at < self.stall_s:
-            return None  # a seek to it is on its way
-        self._seeks[partition] = (offset, count + 1, now)
-        self.seeks += 1
-        return offset
-
-
 def _run_keyed_table(app: Any, name: str, partitions: int) -> Any:
     """A bytes table whose changelog partition is the run's alerts-topic partition.
 
@@ -189,7 +85,7 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
     dirty: set[str] = set()
     state: dict[str, Any] = {"generation": 0, "seen_generation": 0, "scanned": False,
                              "flusher": None}
-    guard = OffsetGuard(stall_s=stall_s)
+    guard = OffsetGuard(stall_s=stall_s, name="alerts")
     held: dict[int, list[Any]] = {}  # partition -> messages held back past a hole
     topic_names = set(alerts_topic.topics)
     for key in ("delivered", "duplicates_skipped", "notices", "held_on_shutdown"):
@@ -315,17 +211,6 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
             event.message.incref()
         svc.extra["held_on_shutdown"] += len(events)
 
-    async def start_of(tp: Any) -> int:
-        """Where this generation's reading of ``tp`` began: the group's committed offset."""
-        # Faust keeps the committed offsets it sought to at the last rebalance (faust-
-        # streaming is pinned; without it the guard starts at the first record it sees).
-        committed = getattr(app.consumer, "_committed_offset", {}).get(tp)
-        if committed is not None:
-            return int(committed)
-        # None: nothing committed (or 0): the group reads from the earliest record
-        earliest = await app.consumer.earliest_offsets(tp)
-        return int(earliest.get(tp) or 0)
-
     async def seek(tp: Any, offset: int, why: str) -> None:
         log.warning("alerts partition %d: %s; seeking back to offset %d to read it again",
                     tp.partition, why, offset)
@@ -339,7 +224,7 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
         for event in events:
             msg = event.message
             if not guard.knows(msg.partition):
-                guard.start(msg.partition, await start_of(msg.tp))
+                guard.start(msg.partition, await start_offset(app.consumer, msg.tp))
             ok, seek_to = guard.admit(msg.partition, msg.offset)
             if seek_to is not None:
                 wanted[msg.partition] = seek_to
@@ -461,14 +346,14 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
         if app.rebalancing:
             return
         for partition, tp in owned_tps().items():
-            highwater = app.consumer.highwater(tp)
-            if highwater is None:
+            end = highwater(app.consumer, tp)
+            if end is None:
                 continue
             if not guard.knows(partition):
-                guard.start(partition, await start_of(tp))
-            target = guard.stalled(partition, highwater)
+                guard.start(partition, await start_offset(app.consumer, tp))
+            target = guard.stalled(partition, end)
             if target is not None:
-                await seek(tp, target, f"records up to offset {highwater - 1} never reached "
+                await seek(tp, target, f"records up to offset {end - 1} never reached "
                                        f"the agent")
 
     @app.on_partitions_revoked.connect  # type: ignore[untyped-decorator]

@@ -72,6 +72,27 @@ def test_layer_order_does_not_change_the_result() -> None:
     assert got == expected
 
 
+def test_records_read_twice_after_a_seek_change_nothing() -> None:
+    """The stream agent seeks back to records Faust dropped (stream_app/offsets.py), so a
+    window of step/layer events can come again: a step already joined or evaluated ignores
+    them, the alerts are the same, and a checkpoint read twice is kept once."""
+    rng = random.Random(3)
+    events: list[MetricEvent | RunEvent] = []
+    for s in range(120):
+        stall = s >= 100
+        events += _step_events("r", s, 1000.0 + 20 * s, gen=15.0 if stall else 3.0,
+                               util=15.0 if stall else 85.0, rng=rng)
+    expected = [(a.step, a.diagnosis, a.status) for a in _run(events) if isinstance(a, AlertEvent)]
+    assert expected
+    ckpt = RunEvent(run_id="r", type="checkpoint_saved", ts=1500.0, step=25)
+    again = events[:90] + [ckpt] + events[60:105] + [ckpt] + events[95:]  # two re-reads
+    engine = Engine()
+    state = engine.new_state("r")
+    out = [o for ev in again for o in engine.process(state, ev)] + engine.flush(state)
+    assert [(a.step, a.diagnosis, a.status) for a in out if isinstance(a, AlertEvent)] == expected
+    assert state.checkpoints == [(25, 1500.0)]
+
+
 def test_dataloader_stall_is_diagnosed_with_evidence_and_goes_critical() -> None:
     """Latency up + GPU util down + forward flat → dataloader_stall, critical above 5 s."""
     rng = random.Random(2)

@@ -142,6 +142,19 @@ def test_notifier_health_becomes_per_receiver_series() -> None:
     assert _one(m, "trainsentry_notifier_state", receiver="wecom", state="config_error") == 1
 
 
+def test_offset_seeks_and_resumed_notices_are_exported_per_agent() -> None:
+    """Both agents' OffsetGuard seeks and the notify agent's resumed notices (0 at start)."""
+    svc = ServiceState()
+    m = _scrape(svc)
+    assert _one(m, "trainsentry_offset_seeks_total", agent="notify") == 0
+    svc.extra["offset_seeks"] = 2
+    svc.extra["alerting"] = type("Ctx", (), {"stats": {"offset_seeks": 3, "resumed_notices": 7}})()
+    m = _scrape(svc)
+    assert _one(m, "trainsentry_offset_seeks_total", agent="detect") == 2
+    assert _one(m, "trainsentry_offset_seeks_total", agent="notify") == 3
+    assert _one(m, "trainsentry_notify_resumed_notices_total") == 7
+
+
 def test_every_exported_family_is_listed_in_metric_names(nan_run: tuple[ServiceState, RunState]) -> None:
     """METRIC_NAMES (which deploy/ rules are checked against) names every family we export."""
     svc, _ = nan_run

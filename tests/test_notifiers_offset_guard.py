@@ -1,4 +1,4 @@
-"""The notify agent's offset guard: no alerts-topic record is skipped on the way in.
+"""The offset guard (both agents) and the commit check: no record is skipped on the way in.
 
 Pure bookkeeping, so no Kafka here; tests/test_alerting_e2e.py drives it for real (a
 SIGKILL and a restart whose table recovery made Faust drop fetched records).
@@ -6,7 +6,7 @@ SIGKILL and a restart whose table recovery made Faust drop fetched records).
 
 from __future__ import annotations
 
-from stream_app.notify import OffsetGuard
+from stream_app.offsets import OffsetGuard, new_offset
 
 
 class Clock:
@@ -95,3 +95,57 @@ def test_reset_forgets_positions_after_a_rebalance() -> None:
     assert not g.knows(0)
     g.start(0, 40)
     assert g.admit(0, 40) == (True, None)
+
+
+def test_commit_never_passes_an_unacked_record_at_the_head() -> None:
+    """Faust's own check commits 13 here (it refuses only when min(acked) - committed > 1)
+    and skips the check when nothing was committed yet; the detect agent acks out of order."""
+    assert new_offset([11, 12], committed=10, first=0) is None  # record 10 is still held
+    assert new_offset([5, 6], committed=None, first=0) is None  # 0..4 are still held
+    assert new_offset([3, 4], committed=0, first=0) is None  # 0 is falsy upstream
+    acked = [12, 10, 11, 14]
+    assert new_offset(acked, committed=10, first=0) == 13
+    assert acked == [14]  # the committed run is taken off, the rest waits
+    assert new_offset([0, 1], committed=None, first=0) == 2
+
+
+def test_patched_consumer_uses_the_fixed_check() -> None:
+    """The consumer install_commit_fix puts on the app's transport refuses the head gap."""
+    from faust.types import TP
+
+    from stream_app.offsets import install_commit_fix
+
+    class Transport:
+        class Consumer:
+            def __init__(self) -> None:
+                from collections import defaultdict
+
+                from intervaltree import IntervalTree
+
+                self._acked: dict = defaultdict(list)
+                self._acked_index: dict = defaultdict(set)
+                self._gap: dict = defaultdict(IntervalTree)
+                self._committed_offset: dict = defaultdict(lambda: None)
+
+            def track_message(self, message: object) -> None:
+                pass
+
+    class App:
+        transport = Transport()
+
+    install_commit_fix(App)
+    consumer = App.transport.Consumer()
+    tp = TP("metrics", 0)
+    consumer._committed_offset[tp] = 10
+    consumer._acked[tp] = [11, 12]
+    consumer._acked_index[tp] = {11, 12}
+    assert consumer._new_offset(tp) is None
+    from faust.transport.consumer import Consumer as FaustConsumer  # the bug itself
+
+    upstream = App.transport.Consumer()
+    upstream._committed_offset[tp] = 10
+    upstream._acked[tp] = [11, 12]
+    assert FaustConsumer._new_offset(upstream, tp) == 13  # commits past un-acked 10
+    consumer._acked[tp].append(10)
+    consumer._acked_index[tp].add(10)
+    assert consumer._new_offset(tp) == 13 and not consumer._acked_index[tp]

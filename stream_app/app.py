@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from detectors.engine import Engine, EngineConfig, RunState
-from stream_app.offsets import OffsetGuard, highwater, install_commit_fix, start_offset
+from stream_app.offsets import OffsetGuard, install_commit_fix, seek_stalled, start_offset
 from stream_app.pipeline import Outcome, Pipeline, Record, dump_state, load_state
 from trainsentry.config import Settings
 from trainsentry.errors import EventError
@@ -273,18 +273,8 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
             assignment = app.consumer.assignment()
         except Exception:  # the consumer is not started yet: nothing is assigned
             return
-        for tp in assignment:
-            if tp.topic not in source_topics:
-                continue
-            end = highwater(app.consumer, tp)
-            if end is None:
-                continue
-            if not guard.knows(tp):
-                guard.start(tp, await start_offset(app.consumer, tp))
-            target = guard.stalled(tp, end)
-            if target is not None:
-                await seek(tp, target, f"records up to offset {end - 1} never reached "
-                                       f"the agent")
+        await seek_stalled(app.consumer, guard,
+                           ((tp, tp) for tp in assignment if tp.topic in source_topics), seek)
 
     @app.on_partitions_revoked.connect  # type: ignore[misc]
     async def on_revoked(app_: Any, revoked: Any, **_: Any) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from notifiers.lifecycle import AlertBook, Plan, Send
-from stream_app.offsets import STALL_S, OffsetGuard, highwater, start_offset
+from stream_app.offsets import STALL_S, OffsetGuard, seek_stalled, start_offset
 from trainsentry.errors import EventError
 from trainsentry.events import AlertEvent, decode_record
 
@@ -345,16 +345,7 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
         # The guard's second half: records that never came while the agent sat idle.
         if app.rebalancing:
             return
-        for partition, tp in owned_tps().items():
-            end = highwater(app.consumer, tp)
-            if end is None:
-                continue
-            if not guard.knows(partition):
-                guard.start(partition, await start_offset(app.consumer, tp))
-            target = guard.stalled(partition, end)
-            if target is not None:
-                await seek(tp, target, f"records up to offset {end - 1} never reached "
-                                       f"the agent")
+        await seek_stalled(app.consumer, guard, owned_tps().items(), seek)
 
     @app.on_partitions_revoked.connect  # type: ignore[untyped-decorator]
     async def on_revoked(app_: Any, revoked: Any, **_: Any) -> None:

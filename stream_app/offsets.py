@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable, MutableMapping
+from collections.abc import Awaitable, Callable, Hashable, Iterable, MutableMapping
 from typing import Any
 
-__all__ = ["OffsetGuard", "STALL_S", "start_offset", "highwater", "new_offset", "install_commit_fix"]
+__all__ = ["OffsetGuard", "STALL_S", "start_offset", "highwater", "seek_stalled", "new_offset",
+           "install_commit_fix"]
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,21 @@ def highwater(consumer: Any, tp: Any) -> int | None:
     except Exception:  # AssertionError("Partition is not assigned") mid-rebalance
         return None
     return None if found is None else int(found)
+
+
+async def seek_stalled(consumer: Any, guard: OffsetGuard, tps: Iterable[tuple[Hashable, Any]],
+                       seek: Callable[[Any, int, str], Awaitable[None]]) -> None:
+    """The guard's second half, for an agent's timer: ``(key, tp)`` pairs whose records
+    never came while the agent sat idle are sought back to (``seek(tp, offset, why)``)."""
+    for key, tp in tps:
+        end = highwater(consumer, tp)
+        if end is None:
+            continue
+        if not guard.knows(key):
+            guard.start(key, await start_offset(consumer, tp))
+        target = guard.stalled(key, end)
+        if target is not None:
+            await seek(tp, target, f"records up to offset {end - 1} never reached the agent")
 
 
 def new_offset(acked: list[int], committed: int | None, first: int | None) -> int | None:

@@ -15,6 +15,7 @@ message's language (:func:`detectors.knowledge.localize`).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -140,6 +141,35 @@ def _repeat_info(alerts: Sequence[AlertEvent]) -> tuple[int, bool]:
     firing = [a for a in alerts if a.status == "firing"]
     return (max((int(getattr(a, "repeat", 0) or 0) for a in firing), default=0),
             any(bool(getattr(a, "escalated", False)) for a in firing))
+
+
+#: The engine's resolved summary (detectors/engine.py ``Engine._resolved``): structured, so
+#: it is rendered in the message's language; other summaries are the rules' free text.
+_RESOLVED_SUMMARY = re.compile(r"(?P<label>[\w./-]+): resolved at step (?P<step>-?\d+) "
+                               r"\((?P<reason>[^)]*)\); firing since step (?P<since>-?\d+)")
+_CLEAR_FOR = re.compile(r"clear for (\d+) steps?")
+_REASONS_ZH = {"run finished": "训练已结束"}
+
+
+def summary_text(alert: AlertEvent, language: str = "zh") -> str:
+    """The alert's summary in ``language`` where the engine wrote it from a known pattern
+    (the resolved notice), else verbatim.
+
+    >>> a = AlertEvent(id="x", fingerprint="f", run_id="r", status="resolved",
+    ...                severity="critical", diagnosis="nan_loss", step=71, ts=0.0,
+    ...                summary="nan_loss: resolved at step 71 (clear for 3 steps); "
+    ...                        "firing since step 67", evidence={}, actions=[])
+    >>> summary_text(a, "zh")
+    'nan_loss：已于第 71 步恢复（连续 3 步正常）；自第 67 步起告警'
+    """
+    if language != "zh":
+        return alert.summary
+    m = _RESOLVED_SUMMARY.fullmatch(alert.summary)
+    if m is None:
+        return alert.summary
+    clear = _CLEAR_FOR.fullmatch(m["reason"])
+    reason = f"连续 {clear[1]} 步正常" if clear else _REASONS_ZH.get(m["reason"], m["reason"])
+    return f"{m['label']}：已于第 {m['step']} 步恢复（{reason}）；自第 {m['since']} 步起告警"
 
 
 def notice_badge(alerts: AlertEvent | Sequence[AlertEvent], language: str = "zh", *,
@@ -275,7 +305,7 @@ def _single_lines(a: AlertEvent, lang: str, f: _Fmt, *, heading: bool = True) ->
         lines.append(f"{_RESOLVED['icon']} " + f.bold(_w("resolved_at", lang, step=a.step,
                                                          time=_when(a.ts))))
     if a.summary:
-        lines.append(f"{f.bold(_w('summary', lang))}: {a.summary}")
+        lines.append(f"{f.bold(_w('summary', lang))}: {summary_text(a, lang)}")
     if a.evidence:
         lines.append(f.section(_w("evidence", lang)))
         for signal, ev in a.evidence.items():
@@ -322,7 +352,7 @@ def _digest_lines(seq: list[AlertEvent], lang: str, f: _Fmt) -> list[str]:
             if badge:
                 line += f" · {badge}"
             if last.summary:
-                line += f" — {last.summary}"
+                line += f" — {summary_text(last, lang)}"
             lines.append(line)
     # Detail the worst problem that is still firing (a folded group shows its latest state).
     latest = [group[-1] for problems in runs.values() for group in problems.values()]

@@ -18,6 +18,7 @@ from notifiers.templates import (
     render_text,
     render_title,
     render_wecom_markdown,
+    summary_text,
     truncate_utf8,
 )
 from trainsentry.errors import ConfigError
@@ -78,6 +79,22 @@ def test_resolved_alert_says_resolved() -> None:
     assert "已于第 500 步恢复" in render_markdown(alert, language="zh").text
     en = render_markdown(alert, language="en")
     assert "Resolved at step 500" in en.text and "RESOLVED" in en.title
+
+
+@pytest.mark.parametrize("reason, zh", [("clear for 3 steps", "连续 3 步正常"),
+                                        ("run finished", "训练已结束"),
+                                        ("attempt 2 started", "attempt 2 started")])
+def test_resolved_summary_is_rendered_in_chinese(reason: str, zh: str) -> None:
+    """The engine's resolved summary reads in zh (en keeps it); free-text summaries stay."""
+    summary = f"nan_loss: resolved at step 71 ({reason}); firing since step 67"
+    alert = make_alert(status="resolved", step=71, diagnosis="nan_loss", summary=summary)
+    expected = f"nan_loss：已于第 71 步恢复（{zh}）；自第 67 步起告警"
+    assert summary_text(alert, "zh") == expected
+    assert expected in render_markdown(alert, language="zh").text
+    assert summary in render_markdown(alert, language="en").text
+    assert "resolved at step" not in render_markdown(alert, language="zh").text
+    firing = make_alert()
+    assert summary_text(firing, "zh") == firing.summary  # the rules' free text, verbatim
 
 
 def test_nonfinite_and_missing_evidence_values_render() -> None:

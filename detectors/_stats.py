@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections import deque
+from typing import Any
 
-__all__ = ["EWStats", "finite", "safe_ratio"]
+__all__ = ["EWStats", "finite", "safe_ratio", "refractory_gate", "refractory_push", "check_layout"]
 
 # Scores are capped so that 1e300-sized input never overflows into inf.
 SCORE_CAP = 1e9
@@ -16,6 +18,38 @@ def finite(x: float) -> bool:
         return math.isfinite(x)
     except TypeError:
         return False
+
+
+def refractory_gate(recent: deque[tuple[int, float]], horizon: int, score: float) -> float:
+    """``score``, or 0.0 when a score of the last values (index > ``horizon``) was as high.
+
+    ``recent`` holds ``(index, score)`` with decreasing scores (:func:`refractory_push`),
+    so the first entry in range is the maximum: NAB counts one detection per window, and a
+    combiner that keeps firing on the same episode only adds false positives.
+    """
+    for idx, past in recent:
+        if idx > horizon:
+            return 0.0 if score <= past else score
+    return score
+
+
+def refractory_push(recent: deque[tuple[int, float]], horizon: int, n: int,
+                    score: float) -> None:
+    """Record value ``n``'s ``score``: drop entries at or before ``horizon`` and those it
+    outranks, so ``recent`` stays a decreasing window maximum (amortised O(1))."""
+    while recent and recent[0][0] <= horizon:
+        recent.popleft()
+    while recent and recent[-1][1] <= score:
+        recent.pop()
+    recent.append((n, score))
+
+
+def check_layout(state: dict[str, Any], layout: int, name: str) -> None:
+    """Refuse to unpickle a detector state written with another layout, saying what to do."""
+    found = state.get("_layout")
+    if found != layout:
+        raise ValueError(f"cannot restore a {name} saved with state layout {found!r} "
+                         f"(this version reads {layout}); start a fresh one")
 
 
 def safe_ratio(num: float, den: float, scale: float) -> float:

@@ -16,7 +16,7 @@ from math import inf as _INF
 from math import isfinite, log, sqrt
 from typing import Any
 
-from detectors._stats import SCORE_CAP
+from detectors._stats import SCORE_CAP, check_layout, refractory_gate, refractory_push
 from detectors.base import Detector
 from detectors.changepoint import CUSUM
 from detectors.combiner import Combiner
@@ -141,10 +141,7 @@ class Best(Detector):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        layout = state.get("_layout")
-        if layout != _LAYOUT:
-            raise ValueError(f"cannot restore a Best detector saved with state layout "
-                             f"{layout!r} (this version reads {_LAYOUT}); start a fresh one")
+        check_layout(state, _LAYOUT, "Best detector")
         self.__dict__.update(state)
         self._next = None
 
@@ -430,12 +427,7 @@ class Best(Detector):
             score, new = self._step(x)
             self._next = (x, self._v, score, new)
         if self._recent:  # refractory: not above every score of the last values, 0
-            horizon = self._n - REFRACTORY
-            for idx, recent in self._recent:  # decreasing: the first in range is the max
-                if idx >= horizon:
-                    if score <= recent:
-                        return 0.0
-                    break
+            return refractory_gate(self._recent, self._n - REFRACTORY - 1, score)
         return score
 
     def learn_one(self, x: float) -> None:
@@ -451,13 +443,7 @@ class Best(Detector):
             score, new = self._step(x)
         self._next = None
         n = self._n
-        recent = self._recent
-        horizon = n - REFRACTORY
-        while recent and recent[0][0] <= horizon:
-            recent.popleft()
-        while recent and recent[-1][1] <= score:
-            recent.pop()
-        recent.append((n, score))
+        refractory_push(self._recent, n - REFRACTORY, n, score)
         # median / MAD window
         fifo, s = self._fifo, self._sorted
         if n >= ROBUST_WINDOW:

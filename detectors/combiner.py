@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from math import isfinite
 from typing import Any
 
+from detectors._stats import refractory_gate, refractory_push
 from detectors.base import Detector
 
 __all__ = ["Combiner"]
@@ -113,12 +114,7 @@ class Combiner(Detector):
         raws, score = self._scores(x)
         self._last = (self._n, x, raws, score)
         if self.refractory > 0 and self._recent:
-            horizon = self._n - self.refractory
-            for idx, recent in self._recent:  # decreasing: the first in range is the max
-                if idx >= horizon:
-                    if score <= recent:
-                        return 0.0
-                    break
+            return refractory_gate(self._recent, self._n - self.refractory - 1, score)
         return score
 
     def learn_one(self, x: float) -> None:
@@ -131,13 +127,7 @@ class Combiner(Detector):
         self._last = None
         n = self._n
         if self.refractory > 0:
-            recent = self._recent
-            horizon = n - self.refractory
-            while recent and recent[0][0] <= horizon:
-                recent.popleft()
-            while recent and recent[-1][1] <= score:
-                recent.pop()
-            recent.append((n, score))
+            refractory_push(self._recent, n - self.refractory, n, score)
         if n >= self.warmup:
             decay = self.decay
             self._records = [r if r > m * decay else m * decay

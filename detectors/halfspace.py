@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from detectors._stats import check_layout
 from detectors.base import Detector
 
 __all__ = ["HalfSpaceTrees"]
@@ -113,10 +114,7 @@ class HalfSpaceTrees(Detector):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        layout = state.get("_layout")
-        if layout != _LAYOUT:
-            raise ValueError(f"cannot restore a HalfSpaceTrees saved with state layout "
-                             f"{layout!r} (this version reads {_LAYOUT}); start a fresh one")
+        check_layout(state, _LAYOUT, "HalfSpaceTrees")
         self.__dict__.update(state)
 
     def _plant(self, features: tuple[str, ...]) -> None:

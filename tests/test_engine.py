@@ -51,15 +51,20 @@ def test_healthy_run_raises_no_alert() -> None:
     assert _run(_healthy(200)) == []
 
 
+def _stall_run(rng: random.Random, steps: int = 120, onset: int = 100) -> list[MetricEvent | RunEvent]:
+    """A healthy run whose input pipeline stalls from ``onset`` (latency up, GPU util down)."""
+    events: list[MetricEvent | RunEvent] = []
+    for s in range(steps):
+        stall = s >= onset
+        events += _step_events("r", s, 1000.0 + 20 * s, gen=15.0 if stall else 3.0,
+                               util=15.0 if stall else 85.0, rng=rng)
+    return events
+
+
 def test_layer_order_does_not_change_the_result() -> None:
     """Shuffling the three layers within and across neighbouring steps gives the same alerts
     (the join waits for every part, whatever the topic interleaving)."""
-    rng = random.Random(1)
-    events: list[MetricEvent | RunEvent] = []
-    for s in range(120):
-        stall = s >= 100
-        events += _step_events("r", s, 1000.0 + 20 * s, gen=15.0 if stall else 3.0,
-                               util=15.0 if stall else 85.0, rng=rng)
+    events = _stall_run(random.Random(1))
     expected = [(a.step, a.diagnosis, a.status) for a in _run(events) if isinstance(a, AlertEvent)]
     assert expected, "the stall must be detected"
     shuffled = list(events)
@@ -76,12 +81,7 @@ def test_records_read_twice_after_a_seek_change_nothing() -> None:
     """The stream agent seeks back to records Faust dropped (stream_app/offsets.py), so a
     window of step/layer events can come again: a step already joined or evaluated ignores
     them, the alerts are the same, and a checkpoint read twice is kept once."""
-    rng = random.Random(3)
-    events: list[MetricEvent | RunEvent] = []
-    for s in range(120):
-        stall = s >= 100
-        events += _step_events("r", s, 1000.0 + 20 * s, gen=15.0 if stall else 3.0,
-                               util=15.0 if stall else 85.0, rng=rng)
+    events = _stall_run(random.Random(3))
     expected = [(a.step, a.diagnosis, a.status) for a in _run(events) if isinstance(a, AlertEvent)]
     assert expected
     ckpt = RunEvent(run_id="r", type="checkpoint_saved", ts=1500.0, step=25)

@@ -1,11 +1,16 @@
 """``best`` in one pass: the seven views of the recommended configuration, fused.
 
 :func:`reference` builds ``best`` from the library's detectors (a :class:`Combiner` of
-seven views); :class:`Best` computes the same scores, bit for bit, in one function with
-the state in locals. The generic composition costs ~16 us per value in CPython (seven
-objects, each with its own attribute loads, calls and checks, plus the combiner's);
-fused, ~7 us (docs/detectors.md, cost section). tests/test_detector_contract.py checks
-that both give identical scores.
+seven views); :class:`PyBest` computes the same scores, bit for bit, in one Python function
+with the state in locals, and :class:`Best` runs that function compiled
+(``detectors/_bestc.c``, built by ``pip install``). The generic composition costs ~16 us
+per value in CPython (seven objects, each with its own attribute loads, calls and checks,
+plus the combiner's); fused in Python ~7 us; compiled well under 1 us
+(docs/detectors.md, cost section). tests/test_detector_contract.py checks that all three
+give identical scores, and that a state pickled by one loads into the other.
+
+Without a C compiler at install time ``Best`` is :class:`PyBest` (same scores, same
+pickled state); :data:`COMPILED` says which one is in use.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from detectors.robust import _MAD_TO_STD, RobustZScore, mad_of_sorted
 from detectors.seasonal import Seasonal
 from detectors.variance import VarianceChange
 
-__all__ = ["Best", "reference", "WEIGHTS"]
+__all__ = ["Best", "PyBest", "reference", "WEIGHTS", "COMPILED"]
 
 SLOW = 0.0003  #: long memory: the band is the signal's normal range over days of data
 #: Weights of the views, in the order of :func:`reference` (tuned on NAB, docs/detectors.md).
@@ -99,8 +104,8 @@ _BAND = _FIELDS.index("robust_band")
 _LAYOUT = 1  # version of the pickled state
 
 
-class Best(Detector):
-    """The recommended single-signal detector, seven views fused into one update.
+class PyBest(Detector):
+    """The recommended single-signal detector, seven views fused into one update (Python).
 
     Scores are identical to :func:`reference` (``Combiner`` of ``EWMA``, ``EWMA(smooth=48)``,
     ``VarianceChange``, ``RobustZScore``, ``CUSUM``, ``Seasonal``, ``Seasonal(smooth=48)``,
@@ -113,7 +118,7 @@ class Best(Detector):
     after (the score-then-learn loop) only commits it. That cache is not state: it is
     left out of the pickle and used only while nothing was learned since.
 
-    >>> d = Best(period=24)
+    >>> d = PyBest(period=24)
     >>> for i in range(600):
     ...     d.learn_one(float(i % 24) + (i % 5) * 0.1)
     >>> d.score_one(0.0) < 0.5 < d.score_one(500.0) < 1.0  # 0.0 is the next value of the cycle
@@ -459,3 +464,61 @@ class Best(Detector):
         self._past.append(x)
         self._v = new
         self._n = n + 1
+
+
+try:
+    from detectors._bestc import CONSTANTS as _C_CONSTANTS
+    from detectors._bestc import BestCore as _BestCore
+except ImportError:  # built without a C compiler: the Python class, same scores
+    _BestCore = None
+
+if _BestCore is not None:
+    # The C file writes the constants out; refuse to run if they drifted from these.
+    assert _C_CONSTANTS == (
+        SLOW, DECAY, WARMUP, REFRACTORY, SMOOTH, SHORT, ROBUST_WINDOW, K, _CUSUM_ALPHA,
+        _DRIFT, _CUSUM_MIN, _SEASONAL_MIN, _STEADY, _H, SCORE_CAP, _MAD_TO_STD,
+        _W0, _W4, _W5, _W6,
+    ), "detectors/_bestc.c constants differ from detectors/best.py: rebuild (pip install -e .)"
+
+    class Best(_BestCore, Detector):  # type: ignore[misc]
+        """The recommended single-signal detector: :class:`PyBest`, compiled.
+
+        Identical scores and the same pickled state as :class:`PyBest` (a state saved by
+        either loads into the other); ``score_one`` / ``learn_one`` run in C.
+
+        >>> d = Best(period=24)
+        >>> for i in range(600):
+        ...     d.learn_one(float(i % 24) + (i % 5) * 0.1)
+        >>> d.score_one(0.0) < 0.5 < d.score_one(500.0) < 1.0
+        True
+        """
+
+        def __init__(self, period: int = 288) -> None:
+            super().__init__(period)
+
+        def __getstate__(self) -> dict[str, Any]:
+            state = self._export()  # PyBest's __dict__, in its order (equal pickles)
+            return {"period": state.pop("period"), "_layout": _LAYOUT, **state, "_next": None}
+
+        def __setstate__(self, state: dict[str, Any]) -> None:
+            check_layout(state, _LAYOUT, "Best detector")
+            self._import(state)
+
+        def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+            return (_restore, (type(self), self.__getstate__()))
+
+        def state(self) -> dict[str, float]:
+            """The scalar statistics by name (for inspection and tests)."""
+            return dict(zip(_FIELDS, self._export()["_v"], strict=True))
+
+    COMPILED = True
+else:
+    Best = PyBest  # type: ignore[misc,assignment]
+    COMPILED = False
+
+
+def _restore(cls: type[Detector], state: dict[str, Any]) -> Detector:
+    """Unpickle a compiled :class:`Best` (its C part has no state until ``_import``)."""
+    det = cls.__new__(cls)
+    det.__setstate__(state)  # type: ignore[attr-defined]
+    return det

@@ -17,6 +17,11 @@ from detectors.base import Detector
 
 __all__ = ["HalfSpaceTrees"]
 
+try:  # the tree walk compiled (built with detectors/_bestc.c); else the Python loop below
+    from detectors._bestc import hst_leaves as _hst_leaves
+except ImportError:
+    _hst_leaves = None
+
 _PADDING = 0.15  # river's make_padded_tree: splits avoid the outer 15 % of a node's range
 _LAYOUT = 1  # version of the pickled state
 
@@ -324,6 +329,13 @@ class HalfSpaceTrees(Detector):
 
     def _leaves(self, scaled: list[float]) -> list[int]:
         """The flat leaf index of ``scaled`` in every tree (a walk of ``height`` splits)."""
+        height = self.height
+        if _hst_leaves is not None:
+            return _hst_leaves(scaled, self._feat, self._thr, height)  # type: ignore[no-any-return]
+        return self._leaves_py(scaled)
+
+    def _leaves_py(self, scaled: list[float]) -> list[int]:
+        """:meth:`_leaves` in Python (used when the C module is not built)."""
         height = self.height
         first_leaf = (1 << height) - 1
         out = []

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs everything the project needs into .venv (idempotent), and fetches Kafka's jars.
-# A stamp of pyproject.toml + this script skips the pip steps when nothing changed.
+# A stamp of pyproject.toml, setup.py, the C module + this script skips the pip steps when
+# nothing changed (the editable install compiles detectors/_bestc.c in place).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.trainsentry-setup
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml setup.py detectors/_bestc.c scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c "import verl, faust, trainsentry" 2>/dev/null; then
   .venv/bin/python -m pip install -q --upgrade pip
   # The service, GPU sampler and dev tools. verl comes second: it pulls a CUDA build of

@@ -26,7 +26,7 @@ from detectors import (
     Slope,
     VarianceChange,
 )
-from detectors.best import reference
+from detectors.best import COMPILED, PyBest, reference
 from detectors.river_models import RiverHalfSpaceTrees
 from detectors.score import DETECTORS
 
@@ -50,6 +50,7 @@ FACTORIES: dict[str, Callable[[], Detector]] = {
                                  refractory=10),
     "best": DETECTORS["best"],
     "best-period-7": lambda: Best(period=7),
+    "best-python": lambda: PyBest(period=7),
     "best-reference": lambda: reference(7),
 }
 
@@ -251,31 +252,80 @@ BEST_SERIES = {
 }
 
 
+def test_best_is_compiled() -> None:
+    """The install built detectors/_bestc.c (else Best is the ~10x slower PyBest)."""
+    assert COMPILED, ("detectors._bestc is not built: install a C compiler (gcc) and re-run "
+                      "`pip install -e .` (scripts/setup.sh)")
+    assert Best is not PyBest and issubclass(Best, Detector)
+
+
+FUSED = [Best, PyBest]
+
+
+@pytest.mark.parametrize("fused_cls", FUSED, ids=["compiled", "python"])
 @pytest.mark.parametrize("series_name", sorted(BEST_SERIES))
 @pytest.mark.parametrize("period", [7, 288])
-def test_best_scores_equal_its_reference_combiner(series_name: str, period: int) -> None:
-    """The fused Best gives bit-identical scores to the Combiner of the seven detectors."""
-    fused, generic = Best(period=period), reference(period)
+def test_best_scores_equal_its_reference_combiner(series_name: str, period: int,
+                                                  fused_cls: type[Detector]) -> None:
+    """The fused Best (compiled and Python) gives bit-identical scores to the Combiner of
+    the seven detectors."""
+    fused, generic = fused_cls(period=period), reference(period)  # type: ignore[call-arg]
     for x in BEST_SERIES[series_name]:
         assert fused.score_one(x) == generic.score_one(x)
         fused.learn_one(x)
         generic.learn_one(x)
 
 
-def test_best_learn_alone_equals_score_then_learn() -> None:
+@pytest.mark.parametrize("period", [1, 5, 24])
+def test_compiled_and_python_best_share_their_state(period: int) -> None:
+    """Compiled and Python Best pickle the same state, and either loads the other's
+    mid-stream (a Faust table written before an upgrade stays readable)."""
+    values = BEST_SERIES["spiky"] + [math.nan, 1e300, -1e300, 7, True, "x"] + noisy(2500)
+    c, p = Best(period=period), PyBest(period=period)
+    for i, x in enumerate(values):
+        if i % 2:
+            assert c.score_one(x) == p.score_one(x)  # type: ignore[arg-type]
+        c.learn_one(x)  # type: ignore[arg-type]
+        p.learn_one(x)  # type: ignore[arg-type]
+        if i in (700, 2100):
+            assert pickle.dumps(c.__getstate__()) == pickle.dumps(p.__getstate__())
+            c_state, p_state = c.__getstate__(), p.__getstate__()
+            c = PyBest.__new__(PyBest)  # now the Python one continues the compiled state
+            c.__setstate__(c_state)
+            p = Best.__new__(Best)
+            p.__setstate__(p_state)
+    assert c.state() == p.state()
+
+
+def test_compiled_best_rejects_a_truncated_state() -> None:
+    """A state whose window does not match its count fails saying what to do."""
+    det = Best(period=5)
+    for x in noisy(400):
+        det.learn_one(x)
+    state = det.__getstate__()
+    state["_sorted"] = state["_sorted"][:-1]
+    with pytest.raises(ValueError, match="start a fresh detector"):
+        Best.__new__(Best).__setstate__(state)
+    with pytest.raises(RuntimeError, match="__setstate__"):
+        Best.__new__(Best).learn_one(1.0)
+
+
+@pytest.mark.parametrize("fused_cls", FUSED, ids=["compiled", "python"])
+def test_best_learn_alone_equals_score_then_learn(fused_cls: type[Detector]) -> None:
     """learn_one without a score_one first reaches the same state (the cache is not state)."""
-    a, b = Best(period=24), Best(period=24)
+    a, b = fused_cls(period=24), fused_cls(period=24)  # type: ignore[call-arg]
     for x in BEST_SERIES["spiky"][:1500]:
         a.score_one(x)
         a.learn_one(x)
         b.learn_one(x)
     assert pickle.dumps(a) == pickle.dumps(b)
-    assert a.state()["robust_band"] > 0.0
+    assert a.state()["robust_band"] > 0.0  # type: ignore[attr-defined]
 
 
-def test_best_survives_pickling_mid_stream() -> None:
+@pytest.mark.parametrize("fused_cls", FUSED, ids=["compiled", "python"])
+def test_best_survives_pickling_mid_stream(fused_cls: type[Detector]) -> None:
     """A Best restored from a pickle continues exactly like the original."""
-    det = Best(period=24)
+    det = fused_cls(period=24)  # type: ignore[call-arg]
     values = BEST_SERIES["spiky"]
     for x in values[:1000]:
         det.score_one(x)
@@ -287,7 +337,7 @@ def test_best_survives_pickling_mid_stream() -> None:
         copy.learn_one(x)
 
 
-@pytest.mark.parametrize("model", [Best, HalfSpaceTrees])
+@pytest.mark.parametrize("model", [Best, PyBest, HalfSpaceTrees])
 def test_state_of_another_layout_is_refused_clearly(model: Callable[[], Detector]) -> None:
     """A pickled state whose layout this version does not know fails with a clear message."""
     det = model()
@@ -435,3 +485,15 @@ def test_combiner_learn_reuses_scores_without_changing_results() -> None:
         a.learn_one(x)
         b.learn_one(x)
     assert pickle.dumps(a) == pickle.dumps(b)
+
+
+def test_compiled_tree_walk_equals_the_python_walk() -> None:
+    """HalfSpaceTrees' compiled walk (detectors._bestc.hst_leaves) finds the same leaves."""
+    rng = random.Random(4)
+    det = HalfSpaceTrees(n_trees=7, height=6, window_size=40, seed=5)
+    for i in range(900):
+        vec = {f"s{j}": rng.gauss(0, 1 + j) + (25.0 if i % 97 == 0 else 0.0) for j in range(5)}
+        det.learn_one(vec)
+        scaled = det._scaled([vec[f] for f in sorted(vec)])
+        assert det._leaves(scaled) == det._leaves_py(scaled)
+    assert det.score_one({f"s{j}": 100.0 for j in range(5)}) > 0.0

@@ -97,7 +97,8 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
     app.trainsentry = svc  # type: ignore[attr-defined]
     app.trainsentry_pipeline = pipeline  # type: ignore[attr-defined]
 
-    raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+    raw: dict[str, Any] = dict(key_type=bytes, value_type=bytes, key_serializer="raw",
+                               value_serializer="raw")
     source = app.topic(topics.data, topics.compute, topics.resource, topics.runs,
                        partitions=settings.partitions, **raw)
     alerts_topic = app.topic(topics.alerts, partitions=settings.partitions, **raw)
@@ -105,7 +106,7 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
     deadletter_topic = app.topic(topics.deadletter, partitions=settings.partitions, **raw)
     sinks = {topics.alerts: alerts_topic, topics.control: control_topic,
              topics.deadletter: deadletter_topic}
-    raw_schema = faust.Schema(key_type=bytes, value_type=bytes, key_serializer="raw",
+    raw_schema: Any = faust.Schema(key_type=bytes, value_type=bytes, key_serializer="raw",
                               value_serializer="raw")
     run_partition: dict[bytes, int] = {}  # run key -> partition of its latest record
     run_table = _run_state_table(app, partitions=settings.partitions, schema=raw_schema,
@@ -244,7 +245,7 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
     async def state_flush() -> None:
         await flush_states()
 
-    @app.timer(interval=hang_interval_s, name="trainsentry.hang")
+    @app.timer(interval=hang_interval_s, name="trainsentry.hang")  # type: ignore[untyped-decorator]
     async def hang_check() -> None:
         now = time.time()
         for state in list(svc.cache.values()):
@@ -252,7 +253,7 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
             if outcome.outputs:
                 await publish(outcome, state)
 
-    @app.timer(interval=0.1, name="trainsentry.join")
+    @app.timer(interval=0.1, name="trainsentry.join")  # type: ignore[untyped-decorator]
     async def join_flush() -> None:
         # Steps wait a short grace for layers still in flight (engine.join_grace_s).
         now = time.time()
@@ -276,7 +277,7 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
         await seek_stalled(app.consumer, guard,
                            ((tp, tp) for tp in assignment if tp.topic in source_topics), seek)
 
-    @app.on_partitions_revoked.connect  # type: ignore[misc]
+    @app.on_partitions_revoked.connect  # type: ignore[arg-type]
     async def on_revoked(app_: Any, revoked: Any, **_: Any) -> None:
         # The cache is only valid for partitions we own; the table is the truth.
         await flush_states()
@@ -285,7 +286,7 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
         guard.reset()
         held.clear()  # an old generation's messages: the next one reads them again
 
-    @app.on_partitions_assigned.connect  # type: ignore[misc]
+    @app.on_partitions_assigned.connect  # type: ignore[arg-type]
     async def on_assigned(app_: Any, assigned: Any, **_: Any) -> None:
         svc.ready = True
 

@@ -93,7 +93,7 @@ class Pipeline:
 
     def deadletter(self, topic: str, partition: int, offset: int, key: bytes | None,
                    value: bytes | None, reason: str) -> Record:
-        headers = (("reason", reason.encode()[:1000]), ("original_topic", topic.encode()),
+        headers: tuple[tuple[str, bytes], ...] = (("reason", reason.encode()[:1000]), ("original_topic", topic.encode()),
                    ("original_partition", str(partition).encode()),
                    ("original_offset", str(offset).encode()))
         body = value if value is not None else b""

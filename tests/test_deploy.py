@@ -371,3 +371,20 @@ def test_configmap_and_secret_hold_known_settings_with_secrets_only_in_the_secre
     (dep,) = _by_kind("Deployment")
     mounts = {m["mountPath"] for m in dep["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
     assert str(Path(cm["data"]["TRAINSENTRY_KAFKA_SSL_CAFILE"]).parent) in mounts
+
+
+def test_wheel_carries_the_compiled_detector(tmp_path: Path) -> None:
+    """The image installs a wheel: it must be a platform wheel holding detectors/_bestc."""
+    import subprocess
+    import sys
+    import zipfile
+
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                          "-q", "-w", str(tmp_path), str(ROOT)],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    wheels = list(tmp_path.glob("trainsentry-*.whl"))
+    assert len(wheels) == 1 and "-cp311-" in wheels[0].name, wheels
+    names = zipfile.ZipFile(wheels[0]).namelist()
+    assert any(n.startswith("detectors/_bestc") and n.endswith(".so") for n in names), names
+    assert "detectors/best.py" in names and "stream_app/dashboard/index.html" in names

@@ -497,3 +497,25 @@ def test_compiled_tree_walk_equals_the_python_walk() -> None:
         scaled = det._scaled([vec[f] for f in sorted(vec)])
         assert det._leaves(scaled) == det._leaves_py(scaled)
     assert det.score_one({f"s{j}": 100.0 for j in range(5)}) > 0.0
+
+
+def test_without_the_compiled_module_best_falls_back_to_python() -> None:
+    """An install without a C compiler still works: Best is PyBest, the walk is Python."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['detectors._bestc'] = None\n"  # as if it was never built
+        "from detectors import best, halfspace\n"
+        "assert best.Best is best.PyBest and not best.COMPILED\n"
+        "assert halfspace._hst_leaves is None\n"
+        "d = best.Best(period=7)\n"
+        "for i in range(400): d.learn_one(float(i % 7))\n"
+        "assert d.score_one(3.0) < 0.5 < d.score_one(1e6)\n"
+        "h = halfspace.HalfSpaceTrees(n_trees=3, height=4, window_size=20)\n"
+        "for i in range(100): h.learn_one({'a': float(i % 5), 'b': float(i % 3)})\n"
+        "print(h.score_one({'a': 9.0, 'b': -4.0}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert 0.0 <= float(out.stdout) <= 1.0

@@ -373,14 +373,15 @@ static double step(const BestCore *self, double x, double *out) {
 
 /* ------------------------------------------------------------------ the type */
 
+static void free_buffers(BestCore *self);
+
 static int alloc_buffers(BestCore *self, Py_ssize_t period) {
-    PyMem_Free(self->fifo);
-    PyMem_Free(self->sorted);
-    PyMem_Free(self->past);
+    free_buffers(self);
     self->fifo = PyMem_Malloc(sizeof(double) * ROBUST_WINDOW);
     self->sorted = PyMem_Malloc(sizeof(double) * ROBUST_WINDOW);
     self->past = PyMem_Malloc(sizeof(double) * (size_t)period);
     if (!self->fifo || !self->sorted || !self->past) {
+        free_buffers(self);
         PyErr_NoMemory();
         return -1;
     }
@@ -411,9 +412,7 @@ static int BestCore_init(BestCore *self, PyObject *args, PyObject *kwds) {
 }
 
 static void BestCore_dealloc(BestCore *self) {
-    PyMem_Free(self->fifo);
-    PyMem_Free(self->sorted);
-    PyMem_Free(self->past);
+    free_buffers(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -487,6 +486,11 @@ static PyObject *BestCore_learn_one(BestCore *self, PyObject *arg) {
     Py_ssize_t slot = (Py_ssize_t)(n % ROBUST_WINDOW);
     if (n >= ROBUST_WINDOW) {
         Py_ssize_t i = bisect_left(s, self->nsorted, self->fifo[slot]);
+        if (i >= self->nsorted) { /* only a corrupted state: the oldest value is not there */
+            PyErr_SetString(PyExc_ValueError, "Best state is inconsistent (the window lacks its "
+                            "oldest value); start a fresh detector");
+            return NULL;
+        }
         memmove(s + i, s + i + 1, sizeof(double) * (size_t)(self->nsorted - i - 1));
         self->nsorted--;
     }
@@ -601,8 +605,25 @@ static PyObject *item(PyObject *state, const char *key) {
     return o;
 }
 
-/* Load the dict PyBest pickles (validated by best.py's check_layout first). */
+static void free_buffers(BestCore *self) {
+    PyMem_Free(self->fifo);
+    PyMem_Free(self->sorted);
+    PyMem_Free(self->past);
+    self->fifo = self->sorted = self->past = NULL;
+}
+
+static PyObject *import_state(BestCore *self, PyObject *state);
+
+/* Load the dict PyBest pickles (validated by best.py's check_layout first). A state that
+ * does not load leaves the detector without state (every use then says so), never half
+ * loaded. */
 static PyObject *BestCore_import(BestCore *self, PyObject *state) {
+    PyObject *r = import_state(self, state);
+    if (!r) free_buffers(self);
+    return r;
+}
+
+static PyObject *import_state(BestCore *self, PyObject *state) {
     if (!PyDict_Check(state)) {
         PyErr_SetString(PyExc_TypeError, "Best state must be a dict");
         return NULL;
@@ -615,6 +636,8 @@ static PyObject *BestCore_import(BestCore *self, PyObject *state) {
     if (!(o = item(state, "_n"))) return NULL;
     long long n = PyLong_AsLongLong(o);
     if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0) return PyErr_Format(PyExc_ValueError, "Best state: _n = %lld < 0; start a fresh "
+                                   "detector", n);
     if (alloc_buffers(self, period) < 0) return NULL;
     reset(self);
     self->n = n;

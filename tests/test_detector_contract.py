@@ -519,3 +519,23 @@ def test_without_the_compiled_module_best_falls_back_to_python() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert 0.0 <= float(out.stdout) <= 1.0
+
+
+def test_compiled_best_refuses_corrupted_states_without_crashing() -> None:
+    """Bad states raise (and leave the detector unusable, saying why), never corrupt memory."""
+    det = Best(period=5)
+    for x in noisy(2500):
+        det.learn_one(x)
+    good = det.__getstate__()
+    bad = dict(good, _n=-3)
+    fresh = Best.__new__(Best)
+    with pytest.raises(ValueError, match="_n = -3"):
+        fresh.__setstate__(bad)
+    with pytest.raises(RuntimeError, match="no state"):
+        fresh.__getstate__()
+    shuffled = dict(good, _sorted=sorted(good["_sorted"], reverse=True))  # not sorted any more
+    broken = Best.__new__(Best)
+    broken.__setstate__(shuffled)
+    with pytest.raises(ValueError, match="inconsistent"):
+        for x in noisy(3000, seed=5):
+            broken.learn_one(x)

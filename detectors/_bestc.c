@@ -42,6 +42,20 @@
 #define BAND 34
 #define RCAP 128 /* > REFRACTORY + 1, the most entries the refractory window holds */
 
+/* The scalar state's layout: v[i] is FIELD_NAMES[i]. It must equal detectors/best.py's
+ * _FIELDS (step() unpacks and packs it in this order, as PyBest._step does); the module
+ * exports it as FIELDS and best.py refuses to load a build whose layout differs. */
+static const char *const FIELD_NAMES[NF] = {
+    "rec_ewma", "rec_shift", "rec_var", "rec_robust", "rec_cusum", "rec_day", "rec_dayshift",
+    "ewma_level", "ewma_rmean", "ewma_rvar", "ewma_rstd",
+    "shift_smoothed", "shift_level", "shift_rmean", "shift_rvar", "shift_rstd",
+    "var_mean", "var_var", "var_lmean", "var_lvar", "var_lstd", "var_absmean",
+    "cusum_mean", "cusum_var", "cusum_std", "cusum_pos", "cusum_neg",
+    "day_mean", "day_var", "day_std",
+    "dayshift_smoothed", "dayshift_mean", "dayshift_var", "dayshift_std",
+    "robust_band",
+};
+
 static const double SA = 2.0 / (SMOOTH + 1);
 static const double VA = 2.0 / (SHORT + 1);
 static const double RB = 1.0 - SLOW;
@@ -826,6 +840,18 @@ PyMODINIT_FUNC PyInit__bestc(void) {
         SCORE_CAP, MAD_TO_STD, W0, W4, W5, W6);
     if (!consts || PyModule_AddObject(m, "CONSTANTS", consts) < 0) {
         Py_XDECREF(consts);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *fields = PyTuple_New(NF);
+    if (!fields) { Py_DECREF(m); return NULL; }
+    for (int i = 0; i < NF; i++) {
+        PyObject *name = PyUnicode_FromString(FIELD_NAMES[i]);
+        if (!name) { Py_DECREF(fields); Py_DECREF(m); return NULL; }
+        PyTuple_SET_ITEM(fields, i, name);
+    }
+    if (PyModule_AddObject(m, "FIELDS", fields) < 0) {
+        Py_DECREF(fields);
         Py_DECREF(m);
         return NULL;
     }

@@ -89,7 +89,8 @@ assert WEIGHTS[1] == WEIGHTS[2] == WEIGHTS[3] == 1.0
 assert max(10, 30 + 1, _CUSUM_MIN, ROBUST_MIN) <= WARMUP
 
 # The scalar state, one list (unpacked into locals once per value): the seven records,
-# then each view's statistics (names as in the detectors).
+# then each view's statistics (names as in the detectors). detectors/_bestc.c writes the
+# same layout out as FIELD_NAMES; importing the compiled Best checks that they are equal.
 _FIELDS = (
     "rec_ewma", "rec_shift", "rec_var", "rec_robust", "rec_cusum", "rec_day", "rec_dayshift",
     "ewma_level", "ewma_rmean", "ewma_rvar", "ewma_rstd",
@@ -467,20 +468,31 @@ class PyBest(Detector):
 
 
 try:
-    from detectors._bestc import CONSTANTS as _C_CONSTANTS
-    from detectors._bestc import BestCore as _BestCore
-except ImportError:  # built without a C compiler: the Python class, same scores
-    _BestCore = None
+    from detectors import _bestc
+except ModuleNotFoundError:  # built without a C compiler: the Python class, same scores
+    _bestc = None
 
-if _BestCore is not None:
-    # The C file writes the constants out; refuse to run if they drifted from these.
-    assert _C_CONSTANTS == (
+if _bestc is not None:
+    # A module that is there but stale (built from an older _bestc.c) fails loudly rather
+    # than falling back: rebuilding is the fix.
+    _BestCore = getattr(_bestc, "BestCore", None)
+    _C_CONSTANTS = getattr(_bestc, "CONSTANTS", None)
+    _C_FIELDS = getattr(_bestc, "FIELDS", None)
+    # The C file writes the constants and the state layout out (C cannot import them):
+    # refuse a build that drifted from this file (raised, not asserted: -O keeps it).
+    if _C_CONSTANTS != (
         SLOW, DECAY, WARMUP, REFRACTORY, SMOOTH, SHORT, ROBUST_WINDOW, K, _CUSUM_ALPHA,
         _DRIFT, _CUSUM_MIN, _SEASONAL_MIN, _STEADY, _H, SCORE_CAP, _MAD_TO_STD,
         _W0, _W4, _W5, _W6,
-    ), "detectors/_bestc.c constants differ from detectors/best.py: rebuild (pip install -e .)"
+    ):
+        raise ImportError("detectors/_bestc.c constants differ from detectors/best.py: "
+                          "make them equal and rebuild (pip install -e .)")
+    if _C_FIELDS != _FIELDS:
+        raise ImportError("detectors/_bestc.c's state layout (FIELD_NAMES) differs from "
+                          "detectors/best.py's _FIELDS: keep them in the same order and "
+                          "rebuild (pip install -e .)")
 
-    class Best(_BestCore, Detector):  # type: ignore[misc]
+    class Best(_BestCore, Detector):  # type: ignore[misc,valid-type]
         """The recommended single-signal detector: :class:`PyBest`, compiled.
 
         Identical scores and the same pickled state as :class:`PyBest` (a state saved by

@@ -539,3 +539,32 @@ def test_compiled_best_refuses_corrupted_states_without_crashing() -> None:
     with pytest.raises(ValueError, match="inconsistent"):
         for x in noisy(3000, seed=5):
             broken.learn_one(x)
+
+
+@pytest.mark.parametrize("attr, mangle, says", [
+    ("FIELDS", "tuple(reversed(m.FIELDS))", "state layout"),
+    ("CONSTANTS", "m.CONSTANTS[:-1] + (0.5,)", "constants differ"),
+    ("FIELDS", None, "state layout"),  # a .so built before FIELDS existed: stale
+])
+def test_a_compiled_module_out_of_step_with_best_py_is_refused(attr: str, mangle: str | None,
+                                                               says: str) -> None:
+    """The C file writes the layout and constants out; a build that drifted from best.py
+    fails at import saying what to do, instead of computing with the wrong fields."""
+    import subprocess
+    import sys
+
+    change = f"m.{attr} = {mangle}" if mangle else f"del m.{attr}"
+    code = (  # detectors/__init__ imports best: change the module, then run best.py again
+        "import importlib, detectors.best, detectors._bestc as m\n"
+        f"{change}\n"
+        "try:\n"
+        "    importlib.reload(detectors.best)\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+        "else:\n"
+        "    print('imported')\n"
+    )
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert says in out.stdout and "rebuild (pip install -e .)" in out.stdout, out.stdout

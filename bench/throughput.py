@@ -15,7 +15,9 @@ three layers plus one resource sample per rank per step) into fresh topics, then
    the bare consumer read, through ``stream_app.pipeline.Pipeline`` (decode, validate,
    engine: join, detectors, diagnosis, alert encoding and signing), then every run's
    state pickled once (the table write). This is the most any consumer design could
-   reach with today's engine on this machine.
+   reach with today's engine on this machine;
+5. the same logic fed by the bare consumer's ``getmany`` batches in one loop: the ceiling
+   of a detect path that bypasses Faust's per-record streams (no state writes or commits).
 
 Both rates are (records after the first observation) / (time from the first observation to
 the last record), so start-up and group joins are excluded from both. The ratio is last.
@@ -218,6 +220,52 @@ def _pipeline_rate(topics: Topics,
     return time.perf_counter() - t0, len(records)
 
 
+async def _batched_rate(bootstrap: str, names: list[str], topics: Topics,
+                        total: int) -> tuple[float, int]:
+    """The service's logic fed by a bare aiokafka consumer's ``getmany`` batches in one
+    loop: what a detect path off Faust's per-record streams could reach at best (no
+    state writes, offset commits, rebalances or timers). Returns (seconds, records)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from detectors.engine import Engine, EngineConfig
+    from stream_app.pipeline import Pipeline, dump_state
+    from trainsentry.config import Secret
+    from trainsentry.errors import EventError
+
+    engine = Engine(EngineConfig())
+    pipeline = Pipeline(engine=engine, topics=topics, control_secret=Secret("bench-secret"))
+    states: dict[str, object] = {}
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                                auto_offset_reset="earliest", group_id=None)
+    await consumer.start()
+    try:
+        cluster = await consumer._client.fetch_all_metadata()  # noqa: SLF001 - no public call
+        consumer.assign([TopicPartition(n, p) for n in names
+                         for p in sorted(cluster.partitions_for_topic(n) or ())])
+        n = 0
+        t0 = time.perf_counter()
+        while n < total:
+            batches = await consumer.getmany(timeout_ms=1000, max_records=10_000)
+            for recs in batches.values():
+                for r in recs:
+                    n += 1
+                    try:
+                        event = pipeline.decode(r.topic, r.key, r.value)
+                    except EventError:
+                        continue
+                    state = states.get(event.run_id)
+                    if state is None:
+                        state = states[event.run_id] = engine.new_state(event.run_id)
+                    pipeline.handle(state, event)  # type: ignore[arg-type]
+        now = time.time() + 3600.0
+        for state in states.values():
+            pipeline.poll(state, now)  # type: ignore[arg-type]
+            dump_state(state)  # type: ignore[arg-type]
+        return time.perf_counter() - t0, n
+    finally:
+        await consumer.stop()
+
+
 def _service_rate(samples: list[tuple[float, int]], total: int) -> tuple[float, int]:
     started = [(t, n) for t, n in samples if n > 0]
     t0, n0 = started[0]
@@ -262,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     del fetched
     print(f"service logic in process, no Kafka/Faust (ceiling of any consumer design): {n} "
           f"records in {secs:.2f} s = {inproc:,.0f} records/s = {inproc / bare:.3f} of bare",
+          flush=True)
+
+    secs, n = asyncio.run(_batched_rate(args.bootstrap, sources, topics, total))
+    print(f"bare consumer's getmany batches through the service logic, one loop (ceiling of a "
+          f"batched detect path): {n / secs:,.0f} records/s = {n / secs / bare:.3f} of bare",
           flush=True)
 
     secs, n = _noop_rate(args.bootstrap, prefix, args.partitions, total, args.timeout)

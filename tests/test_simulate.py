@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -448,3 +449,28 @@ def test_cli_unknown_label_lists_valid_ones(capsys: pytest.CaptureFixture[str]) 
     assert args.func(args) == 2
     err = capsys.readouterr().err
     assert "gremlins" in err and "stalled_learning" in err
+
+
+@pytest.mark.parametrize("command", [["simulate", "--fault", "nan_loss", "--steps", "400"],
+                                     ["detect", "RUN"], ["score", "CSV"]])
+def test_cli_stops_quietly_when_the_reader_goes_away(tmp_path: Path, command: list[str]) -> None:
+    """``trainsentry … | head -1``: no traceback when the pipe closes early, exit 141."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run.jsonl"
+    write_jsonl(generate(make("nan_loss", steps=400, ranks=2)), run)
+    csv = tmp_path / "series.csv"
+    csv.write_text("timestamp,value\n" + "".join(
+        f"2024-01-01 {i // 3600:02d}:{i // 60 % 60:02d}:{i % 60:02d},{i % 7}\n" for i in range(20000)))
+    argv = [str(run) if a == "RUN" else str(csv) if a == "CSV" else a for a in command]
+    proc = subprocess.Popen([sys.executable, "-m", "trainsentry.cli", *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what `head -1` does after its line
+    err = proc.stderr.read().decode()
+    rc = proc.wait(120)
+    assert first.strip(), "the command printed nothing before the pipe closed"
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert rc == 141, (rc, err)

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -157,6 +158,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`trainsentry detect run.jsonl | head`): stop quietly, as
+        # a program killed by SIGPIPE would, without a traceback or a second error when
+        # Python flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
 
 
 if __name__ == "__main__":  # pragma: no cover

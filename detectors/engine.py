@@ -70,6 +70,8 @@ class EngineConfig:
     hang_factor: float = 5.0  #: hang when no step for factor x p95 step interval...
     hang_floor_s: float = 60.0  #: ...but never sooner than this
     hang_min_steps: int = 5
+    finished_retention_s: float = 86400.0  #: stream only: keep a finished run's state this long
+    idle_retention_s: float = 7 * 86400.0  #: ...and an unfinished run's, after its last event
     remediation: tuple[tuple[str, str], ...] = tuple(REMEDIATION_DEFAULTS.items())
     catalog: Catalog = field(default_factory=Catalog)
 
@@ -183,6 +185,38 @@ class Engine:
         if state.last_step_arrival is None:
             return self._check_hang(state, now + state.clock_offset, source="timer")
         return self._check_hang(state, now, source="timer", wall=True)
+
+    def retire(self, state: RunState, now: float) -> list[Output] | None:
+        """Stream only: whether the run's state can be dropped at wall clock ``now``.
+
+        ``None`` while it is still needed. A finished run is kept ``finished_retention_s``
+        after its last event (its alerts resolved when it finished), an unfinished one
+        ``idle_retention_s`` (a trainer killed without ``run_finished``: its hang was
+        reported long before). Otherwise the list of outputs to send before the state goes:
+        the alerts still firing, resolved, so no chat thread stays open on a run nobody
+        watches any more. A run that sends again later starts from a fresh state.
+        """
+        if state.arrival is None:  # offline: nothing is ever retired
+            return None
+        idle = now - state.arrival
+        if state.finished:
+            return [] if idle >= self.config.finished_retention_s else None
+        if idle < self.config.idle_retention_s:
+            return None
+        return self._resolve_all(state, now + state.clock_offset,
+                                 reason=f"no event for {idle / 86400:.1f} days; the watchdog "
+                                        "stopped watching this run")
+
+    def adopt(self, state: RunState, now: float) -> None:
+        """A stored state taken over after a restart or a rebalance, before any new record
+        of its run: the hang clock restarts at ``now``. The silence of a run that stopped
+        while no worker watched it is then measured from the takeover (a backlog of its
+        records may still be on the way, which must not read as a hang), and a run that
+        never steps again is still reported, one hang limit after the takeover."""
+        if state.last_step_arrival is not None:
+            state.last_step_arrival = max(state.last_step_arrival, now)
+        if state.last_beat_arrival is not None:
+            state.last_beat_arrival = max(state.last_beat_arrival, now)
 
     def flush(self, state: RunState) -> list[Output]:
         """Evaluate every pending step (end of an offline file)."""

@@ -23,7 +23,7 @@ from stream_app.pipeline import Outcome, Pipeline, Record, dump_state, load_stat
 from trainsentry.config import Settings
 from trainsentry.errors import EventError
 
-__all__ = ["build_app", "ServiceState"]
+__all__ = ["build_app", "engine_config_for", "ServiceState"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,14 @@ class ServiceState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def engine_config_for(settings: Settings, catalog: Any | None = None) -> EngineConfig:
+    """The engine's settings from the service's (the catalog: ``load_catalog``'s)."""
+    extra: dict[str, Any] = {} if catalog is None else {"catalog": catalog}
+    return EngineConfig(breaker_threshold=settings.breaker_threshold,
+                        finished_retention_s=float(settings.finished_run_retention_s),
+                        idle_retention_s=float(settings.idle_run_retention_s), **extra)
+
+
 def _broker_url(bootstrap: str) -> str:
     return ";".join(f"kafka://{h.strip()}" for h in bootstrap.split(",") if h.strip())
 
@@ -60,7 +68,7 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
     import faust
 
     topics = settings.topics
-    engine = Engine(engine_config or EngineConfig(breaker_threshold=settings.breaker_threshold))
+    engine = Engine(engine_config or engine_config_for(settings))
     pipeline = Pipeline(engine=engine, topics=topics, control_secret=settings.control_secret)
     svc = ServiceState()
     from stream_app.metrics import Recorder  # issue 7: metrics and dashboard timeline
@@ -121,6 +129,7 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
     held: dict[Any, dict[int, list[Any]]] = {}  # TP -> offset -> messages held past a hole
     source_topics = set(source.topics)
     svc.extra["offset_seeks"] = 0
+    svc.extra["runs_retired"] = 0
 
     async def send(record: Record) -> None:
         await sinks[record.topic].send(key=record.key, value=record.value,
@@ -130,9 +139,81 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
         state = svc.cache.get(run_id)
         if state is None:
             stored = run_table.get(run_id.encode())
-            state = load_state(stored) if stored else engine.new_state(run_id)
+            if stored:
+                state = load_state(stored)
+                engine.adopt(state, time.time())  # taken over: the hang clock restarts
+            else:
+                state = engine.new_state(run_id)
             svc.cache[run_id] = state
         return state
+
+    def owns(key: bytes) -> bool:
+        """Whether this worker holds the run's partition now (the table can still hold
+        runs of partitions that moved to another worker)."""
+        try:
+            assignment = app.consumer.assignment()
+        except Exception:  # the consumer is not started yet: nothing is assigned
+            return False
+        return (topics.data, run_table.partition_for_key(key)) in assignment
+
+    unreadable: set[bytes] = set()
+
+    def adopt_stored(now: float) -> None:
+        """Cache the stored state of every run of this worker's partitions that is not
+        cached yet: after a restart or a rebalance, a run that never sends another record
+        (hung, killed) is then still checked for hangs and retired in time."""
+        if app.rebalancing:  # the table is being recovered: wait for it to be complete
+            return
+        for key in list(run_table.keys()):
+            if not isinstance(key, bytes) or key in unreadable:
+                continue
+            run_id = key.decode(errors="replace")
+            if run_id in svc.cache or not owns(key):
+                continue
+            stored = run_table.get(key)
+            if not stored:
+                continue
+            try:
+                state = load_state(stored)
+            except Exception as exc:  # noqa: BLE001 - one bad entry must not stop the others
+                unreadable.add(key)
+                log.error("run_state entry of run %r does not load (%s: %s); it is skipped until "
+                          "the run sends again (which starts a fresh state)", run_id,
+                          type(exc).__name__, exc)
+                continue
+            engine.adopt(state, now)
+            svc.cache[run_id] = state
+
+    async def retire_runs(now: float) -> None:
+        """Drop the states the engine no longer needs (finished, or silent for days):
+        their alerts resolved first, then a tombstone on the changelog, so neither this
+        worker's memory nor the table grows with every run ever seen."""
+        retired = 0
+        for state in list(svc.cache.values()):
+            outputs = engine.retire(state, now)
+            if outputs is None:
+                continue
+            outcome = pipeline.encode(state.run_id, outputs)
+            for record in outcome.records:
+                await send(record)
+                if record.topic == topics.alerts:
+                    svc.alerts += 1
+            recorder.on_outcome(state, outcome.outputs, 0)
+            key = state.run_id.encode()
+            if run_table.get(key) is not None:
+                del run_table[key]  # a tombstone: compaction removes the run's entries
+            for message in dirty.pop(state.run_id, ()):
+                message.ack(app.consumer)
+            svc.cache.pop(state.run_id, None)
+            run_partition.pop(key, None)
+            unreadable.discard(key)
+            svc.extra["runs_retired"] += 1
+            retired += 1
+            log.info("run %s retired (%s): its state is dropped; a later record starts a "
+                     "fresh one", state.run_id,
+                     "finished" if state.finished else "no event for days")
+        if retired:
+            recorder.forget(svc.cache)  # their timelines and step histograms too
 
     def store(state: RunState) -> None:
         # Pickling a RunState costs ~1 ms and ~80 KB of changelog: once per flush, not
@@ -248,6 +329,8 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
     @app.timer(interval=hang_interval_s, name="trainsentry.hang")  # type: ignore[untyped-decorator]
     async def hang_check() -> None:
         now = time.time()
+        adopt_stored(now)
+        await retire_runs(now)
         for state in list(svc.cache.values()):
             outcome = pipeline.tick(state, now)
             if outcome.outputs:

@@ -87,8 +87,8 @@ METRIC_NAMES: frozenset[str] = frozenset({
     "trainsentry_notifier_config_error",
     "trainsentry_commands_issued_total", "trainsentry_commands_unpublished_total",
     "trainsentry_commands_applied_total",
-    "trainsentry_runs", "trainsentry_runs_active", "trainsentry_detector_monitors",
-    "trainsentry_detector_state_bytes", "trainsentry_scrape_duration_seconds",
+    "trainsentry_runs", "trainsentry_runs_active", "trainsentry_runs_retired_total",
+    "trainsentry_detector_monitors", "trainsentry_detector_state_bytes", "trainsentry_scrape_duration_seconds",
 })
 
 
@@ -531,6 +531,9 @@ class ServiceCollector:
         yield Gauge("trainsentry_runs", "Runs held by this worker", value=len(runs))
         yield Gauge("trainsentry_runs_active", "Runs held by this worker not finished",
                     value=sum(1 for s in runs.values() if not s.finished))
+        yield Counter("trainsentry_runs_retired", "Run states dropped: finished longer than "
+                      "TRAINSENTRY_FINISHED_RUN_RETENTION_S, or silent longer than "
+                      "TRAINSENTRY_IDLE_RUN_RETENTION_S", value=int(svc.extra.get("runs_retired", 0)))
         yield Gauge("trainsentry_detector_monitors", "Signal monitors over all runs",
                     value=sum(len(s.monitors) for s in runs.values()))
         yield Gauge("trainsentry_detector_state_bytes", "Pickled size of all RunStates of "

@@ -7,8 +7,7 @@ import tempfile
 from dataclasses import replace
 
 from detectors.catalog import load_catalog
-from detectors.engine import EngineConfig
-from stream_app.app import build_app
+from stream_app.app import build_app, engine_config_for
 from trainsentry.config import Settings
 
 __all__ = ["run_service", "build_notifier"]
@@ -47,8 +46,7 @@ def run_service(settings: Settings, *, workdir: str | None = None) -> int:
                   partitions=settings.partitions, client_config=security)
     if not settings.data_dir:
         settings = replace(settings, data_dir=workdir or tempfile.mkdtemp(prefix="trainsentry-worker-"))
-    engine_config = EngineConfig(breaker_threshold=settings.breaker_threshold,
-                                 catalog=load_catalog(settings.detector_config or None))
+    engine_config = engine_config_for(settings, load_catalog(settings.detector_config or None))
     notifier = build_notifier(settings)
     app = build_app(settings, engine_config=engine_config, notifier=notifier)
     worker = Worker(app, loglevel=logging.getLevelName(logging.getLogger().level).lower(),

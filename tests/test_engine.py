@@ -210,3 +210,80 @@ def test_one_long_validation_step_is_not_a_hang() -> None:
             out += engine.process(state, ev)
     assert [a for a in out if isinstance(a, AlertEvent)] == []
     assert engine.tick(state, ts + 200)  # whereas a real silence is caught
+
+
+# ----------------------------------------------------------------- retention and takeover
+def _streamed(engine: Engine, events: list[MetricEvent | RunEvent], *, arrival0: float,
+              state: object | None = None) -> tuple[object, list, float]:
+    """Feed ``events`` the way the stream app does: arrival (wall clock) = ts - 1000 +
+    arrival0, join grace polled after each step. Returns (state, outputs, last arrival)."""
+    st = state if state is not None else engine.new_state(events[0].run_id)
+    out: list = []
+    arrival = arrival0
+    for ev in events:
+        arrival = ev.ts - 1000.0 + arrival0
+        out += engine.process(st, ev, arrival=arrival)  # type: ignore[arg-type]
+        out += engine.poll(st, arrival + 1.0)  # type: ignore[arg-type]
+    return st, out, arrival + 1.0
+
+
+def test_a_finished_run_is_retired_after_its_retention_and_not_before() -> None:
+    engine = Engine(EngineConfig(finished_retention_s=600.0))
+    events = _healthy(20) + [RunEvent(run_id="r", type="run_finished", ts=1000.0 + 20 * 20,
+                                      fields={"exit_code": 0})]
+    state, _, last = _streamed(engine, events, arrival0=5000.0)
+    engine.poll(state, last + 5.0)  # type: ignore[arg-type]
+    assert state.finished  # type: ignore[attr-defined]
+    assert engine.retire(state, last + 590.0) is None  # type: ignore[arg-type]
+    assert engine.retire(state, last + 601.0) == []  # type: ignore[arg-type]
+
+
+def test_a_silent_unfinished_run_is_retired_with_its_alerts_resolved() -> None:
+    """A trainer killed without run_finished: after idle_retention_s the state goes, and
+    every alert still firing is resolved first (no chat thread stays open forever)."""
+    engine = Engine(EngineConfig(idle_retention_s=7200.0))
+    events = _healthy(30)
+    rng = random.Random(3)
+    for s in range(30, 34):  # NaN loss: critical alerts firing
+        events += _step_events("r", s, 1000.0 + 20 * s, loss=math.nan, rng=rng)
+    state, out, last = _streamed(engine, events, arrival0=5000.0)
+    firing = {a.fingerprint for a in out if isinstance(a, AlertEvent) and a.status == "firing"}
+    assert firing
+    assert engine.retire(state, last + 7199.0) is None  # type: ignore[arg-type]
+    outputs = engine.retire(state, last + 7201.0)  # type: ignore[arg-type]
+    assert outputs is not None
+    resolved = [a for a in outputs if isinstance(a, AlertEvent)]
+    assert {a.fingerprint for a in resolved} == firing
+    assert all(a.status == "resolved" and "stopped watching" in a.summary for a in resolved)
+    assert state.alerts == {}  # type: ignore[attr-defined]
+
+
+def test_an_offline_run_is_never_retired() -> None:
+    engine = Engine(EngineConfig(idle_retention_s=3600.0, finished_retention_s=0.0))
+    state = engine.new_state("r")
+    for ev in _healthy(10):
+        engine.process(state, ev)  # no arrival: `trainsentry detect`
+    assert engine.retire(state, 1e12) is None
+
+
+def test_a_taken_over_state_measures_silence_from_the_takeover() -> None:
+    """A worker restarts 1000 s after the run's last step and loads its stored state.
+    Without adopt() the hang fires at once (the run's backlog may still be on its way);
+    with it, one hang limit after the takeover if no step comes, and never before."""
+    import pickle
+
+    engine = Engine()
+    state, _, last = _streamed(engine, _healthy(30), arrival0=5000.0)
+    stored = pickle.dumps(state)
+    restart = last + 1000.0
+
+    stale = pickle.loads(stored)
+    assert [a.diagnosis for a in engine.tick(stale, restart + 1.0)] == ["training_hang"]
+
+    taken = pickle.loads(stored)
+    engine.adopt(taken, restart)
+    quiet = [a for t in range(1, 60, 5) for a in engine.tick(taken, restart + t)]
+    assert quiet == []
+    fired = [a for t in range(60, 200, 5) for a in engine.tick(taken, restart + t)]
+    assert [a.diagnosis for a in fired] == ["training_hang"]
+    assert fired[0].ts - restart <= 130

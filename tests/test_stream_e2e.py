@@ -9,6 +9,7 @@ import time
 import pytest
 from kafka import KafkaConsumer, KafkaProducer
 
+from bench._common import read_topic
 from producers import MetricsProducer
 from tests.chat_servers import FakeDingTalk, FakeWeCom
 from tests.service_proc import ServiceProcess, publish_scenario
@@ -102,11 +103,8 @@ async def test_malformed_records_go_to_deadletter_and_good_ones_are_still_proces
         raw.close()
 
         def alerts() -> list[dict]:
-            c = KafkaConsumer(topics.alerts, bootstrap_servers=kafka_bootstrap,
-                              auto_offset_reset="earliest", consumer_timeout_ms=2000)
-            out = [json.loads(r.value) for r in c]
-            c.close()
-            return out
+            return [json.loads(r.value) for r in read_topic(kafka_bootstrap, topics.alerts,
+                                                            timeout_ms=2000)]
 
         found: list[dict] = []
         deadline = time.monotonic() + 60

@@ -107,6 +107,8 @@ class Settings:
     data_dir: str = ""
     breaker_threshold: int = 3
     detector_config: str = ""
+    finished_run_retention_s: int = 86400  #: keep a finished run's state this long (dashboard)
+    idle_run_retention_s: int = 7 * 86400  #: drop an unfinished run's state after this silence
     # Kafka security (SASL/SSL clusters); empty = PLAINTEXT.
     kafka_security_protocol: str = "PLAINTEXT"
     kafka_sasl_mechanism: str = ""
@@ -156,6 +158,8 @@ ENV_VARS: dict[str, str] = {
     "TRAINSENTRY_DATA_DIR": "data_dir",
     "TRAINSENTRY_BREAKER_THRESHOLD": "breaker_threshold",
     "TRAINSENTRY_DETECTOR_CONFIG": "detector_config",
+    "TRAINSENTRY_FINISHED_RUN_RETENTION_S": "finished_run_retention_s",
+    "TRAINSENTRY_IDLE_RUN_RETENTION_S": "idle_run_retention_s",
     "TRAINSENTRY_KAFKA_SECURITY_PROTOCOL": "kafka_security_protocol",
     "TRAINSENTRY_KAFKA_SASL_MECHANISM": "kafka_sasl_mechanism",
     "TRAINSENTRY_KAFKA_SASL_USERNAME": "kafka_sasl_username",
@@ -199,6 +203,13 @@ def _validate(s: Settings) -> Settings:
         raise ConfigError(f"partitions must be >= 1, got {s.partitions} (TRAINSENTRY_PARTITIONS)")
     if s.breaker_threshold < 1:
         raise ConfigError("breaker_threshold must be >= 1 (TRAINSENTRY_BREAKER_THRESHOLD)")
+    if s.finished_run_retention_s < 0:
+        raise ConfigError(f"finished_run_retention_s must be >= 0 seconds, got "
+                          f"{s.finished_run_retention_s} (TRAINSENTRY_FINISHED_RUN_RETENTION_S)")
+    if s.idle_run_retention_s < 3600:
+        raise ConfigError(f"idle_run_retention_s must be >= 3600 seconds, got "
+                          f"{s.idle_run_retention_s} (TRAINSENTRY_IDLE_RUN_RETENTION_S): a "
+                          "shorter one could drop a run before its hang is reported")
     if not s.kafka_bootstrap:
         raise ConfigError("kafka_bootstrap is empty; set TRAINSENTRY_KAFKA_BOOTSTRAP=host:port")
     return s

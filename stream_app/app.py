@@ -188,6 +188,8 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
         """Drop the states the engine no longer needs (finished, or silent for days):
         their alerts resolved first, then a tombstone on the changelog, so neither this
         worker's memory nor the table grows with every run ever seen."""
+        if app.rebalancing:  # partitions are moving: the next owner decides
+            return
         retired = 0
         for state in list(svc.cache.values()):
             outputs = engine.retire(state, now)

@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     up = (results["MetricsProducer, broker up"][2] - base) / steps * 1e6
     dn = (results["MetricsProducer, broker down"][2] - base) / steps * 1e6
     fl50 = results["verl FileLogger"][0]
+    if min(fl, up, dn) < 0:
+        print("  (a negative CPU figure is this run's noise: the loop without logging varied "
+              "more than the logger costs; rerun with more --steps, default 5000)")
     print(f"MetricsProducer.log() call p50 {results['MetricsProducer, broker up'][0]:.1f} us vs "
           f"verl FileLogger.log() {fl50:.1f} us (target: cheaper); CPU per step incl. "
           f"background threads: producer {up:.0f} us (broker down {dn:.0f} us) vs file logger "

@@ -267,10 +267,17 @@ async def _batched_rate(bootstrap: str, names: list[str], topics: Topics,
 
 
 def _service_rate(samples: list[tuple[float, int]], total: int) -> tuple[float, int]:
-    started = [(t, n) for t, n in samples if n > 0]
-    t0, n0 = started[0]
+    """(seconds, records) from the first poll that saw records to the last one.
+
+    When every record came between two polls (a small run), time them from the poll
+    before: a lower bound on the rate rather than a division by zero."""
+    i0 = next(i for i, (_, n) in enumerate(samples) if n > 0)
+    t0, n0 = samples[i0]
     t1 = samples[-1][0]
-    return t1 - t0, total - n0
+    if t1 > t0 and total > n0:
+        return t1 - t0, total - n0
+    before = samples[i0 - 1][0] if i0 > 0 else t0 - 0.1
+    return max(t1 - before, 1e-6), total
 
 
 def main(argv: list[str] | None = None) -> int:

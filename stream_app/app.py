@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,10 +38,17 @@ class ServiceState:
     alerts: int = 0
     commands: int = 0
     started: float = field(default_factory=time.time)
-    ready: bool = False
+    ready: bool = False  #: partitions were assigned
     cache: dict[str, RunState] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: True while partitions move or the tables are being restored (``build_app`` sets it).
+    recovering: Callable[[], bool] = field(default=lambda: False)
+
+    @property
+    def serving(self) -> bool:
+        """Ready for /readyz: partitions assigned and their state restored."""
+        return self.ready and not self.recovering()
 
 
 def engine_config_for(settings: Settings, catalog: Any | None = None) -> EngineConfig:
@@ -103,6 +111,9 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
     # past a record still held (stream_app/offsets.py, docs/operations.md).
     install_commit_fix(app)
     app.trainsentry = svc  # type: ignore[attr-defined]
+    # From a rebalance's start to the end of the table recovery that follows it: a worker
+    # whose recovery stalls (a known Faust failure) is then not ready, and alerted on.
+    svc.recovering = lambda: bool(app.rebalancing)
     app.trainsentry_pipeline = pipeline  # type: ignore[attr-defined]
 
     raw: dict[str, Any] = dict(key_type=bytes, value_type=bytes, key_serializer="raw",

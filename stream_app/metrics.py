@@ -75,7 +75,8 @@ METRIC_NAMES: frozenset[str] = frozenset({
     "trainsentry_run_expected_learning_rate", "trainsentry_run_grad_norm_recent_stddev",
     "trainsentry_run_grad_norm_mean", "trainsentry_run_late_events_total",
     # service health
-    "trainsentry_up", "trainsentry_ready", "trainsentry_start_time_seconds",
+    "trainsentry_up", "trainsentry_ready", "trainsentry_recovering",
+    "trainsentry_start_time_seconds",
     "trainsentry_events_consumed_total", "trainsentry_consumer_lag",
     "trainsentry_deadletters_total", "trainsentry_engine_errors_total",
     "trainsentry_alerts_total", "trainsentry_alerts_delivered_total",
@@ -482,8 +483,10 @@ class ServiceCollector:
         svc = self.svc
         recorder: Recorder | None = svc.extra.get("recorder")
         yield Gauge("trainsentry_up", "1 while the worker's process serves HTTP", value=1)
-        yield Gauge("trainsentry_ready", "1 once partitions are assigned (/readyz)",
-                    value=1 if svc.ready else 0)
+        yield Gauge("trainsentry_ready", "1 once partitions are assigned and their state "
+                    "restored (/readyz)", value=1 if svc.serving else 0)
+        yield Gauge("trainsentry_recovering", "1 while partitions move or their tables are "
+                    "being restored", value=1 if svc.recovering() else 0)
         yield Gauge("trainsentry_start_time_seconds", "Worker start (unix time)",
                     value=svc.started)
         consumed = Counter("trainsentry_events_consumed", "Records consumed by the detect agent",

@@ -1,6 +1,7 @@
 """HTTP endpoints of the service, on Faust's web server (``TRAINSENTRY_WEB_PORT``).
 
-- ``/healthz``: the process is up (liveness). ``/readyz``: partitions are assigned (readiness).
+- ``/healthz``: the process is up (liveness). ``/readyz``: partitions are assigned and their
+  state is restored (readiness; 503 while a rebalance or its table recovery is going on).
 - ``/metrics``: Prometheus text format (stream_app/metrics.py; one registry per app).
 - ``/api/runs``, ``/api/runs/{run_id}/signals``, ``/api/runs/{run_id}/timeline``,
   ``/api/stats``: JSON for the dashboard and scripts; runs are this worker's runs
@@ -72,9 +73,11 @@ def install_views(app: Any, *, svc: Any, settings: Settings, run_table: Any) -> 
         config_errors = {name: h for name, h in notifier.items()
                          if isinstance(h, dict)
                          and (h.get("config_error") or h.get("state") == "config_error")}
-        body = {"ready": bool(svc.ready), "control_commands": bool(settings.control_secret),
+        ready = svc.serving
+        body = {"ready": ready, "assigned": bool(svc.ready), "recovering": bool(svc.recovering()),
+                "control_commands": bool(settings.control_secret),
                 "notifier": notifier, "config_errors": config_errors}
-        return web.json(_clean(body), status=200 if svc.ready else 503)
+        return web.json(_clean(body), status=200 if ready else 503)
 
     @page("/metrics")
     async def metrics(web: Any, request: Any) -> Any:

@@ -302,3 +302,21 @@ async def test_scrape_during_a_simulated_run_shows_run_and_service_metrics(
         assert lags and all(v == 0 for v in lags), lags
     finally:
         svc.stop()
+
+
+def test_ready_only_once_partitions_are_assigned_and_their_state_restored() -> None:
+    """A worker in the middle of a rebalance or a table recovery is not ready: a stalled
+    recovery shows as trainsentry_ready 0 (TrainsentryNotReady) and recovering 1."""
+    svc = ServiceState()
+    moving = {"now": True}
+    svc.recovering = lambda: moving["now"]
+    m = _scrape(svc)
+    assert _one(m, "trainsentry_ready") == 0
+    svc.ready = True  # partitions assigned, tables still being restored
+    m = _scrape(svc)
+    assert _one(m, "trainsentry_ready") == 0 and _one(m, "trainsentry_recovering") == 1
+    assert not svc.serving
+    moving["now"] = False
+    m = _scrape(svc)
+    assert _one(m, "trainsentry_ready") == 1 and _one(m, "trainsentry_recovering") == 0
+    assert svc.serving

@@ -97,7 +97,7 @@ def _noop_worker(bootstrap: str, prefix: str, port: int, partitions: int) -> Non
     from faust.worker import Worker
 
     topics = Topics(prefix)
-    app = faust.App(f"bench-noop-{prefix.strip('.')}", broker=f"kafka://{bootstrap}",
+    app = faust.App(f"bench-noop-{prefix.strip('.')}-{os.getpid()}", broker=f"kafka://{bootstrap}",
                     store="memory://", web_port=port, web_bind="127.0.0.1",
                     web_host="127.0.0.1", consumer_auto_offset_reset="earliest",
                     topic_partitions=partitions, topic_replication_factor=1,
@@ -120,6 +120,9 @@ def _noop_worker(bootstrap: str, prefix: str, port: int, partitions: int) -> Non
     async def stats(web, request):  # type: ignore[no-untyped-def]
         return web.json({"consumed": {"all": count["n"]}})
 
+    from stream_app.service import install_event_loop
+
+    install_event_loop(os.environ.get("TRAINSENTRY_EVENT_LOOP", "auto"))  # as the service does
     Worker(app, loglevel="warning", redirect_stdouts=False, override_logging=False,
            quiet=True).execute_from_commandline()
     logging.shutdown()
@@ -339,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     full = n / secs
     print(f"trainsentry serve: {n} records in {secs:.2f} s = {full:,.0f} records/s "
           f"(alerts {body.get('alerts')}, dead letters {body.get('deadletters')}, "
-          f"rss {rss:.0f} MiB)", flush=True)
+          f"rss {rss:.0f} MiB, event loop {body.get('event_loop')})", flush=True)
     print(f"service / faust no-op agent: {full / noop:.2f}")
     print(f"throughput ratio (service / bare consumer): {full / bare:.3f}  (target >= 0.5)")
     return 0

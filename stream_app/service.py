@@ -10,7 +10,7 @@ from detectors.catalog import load_catalog
 from stream_app.app import build_app, engine_config_for
 from trainsentry.config import Settings
 
-__all__ = ["run_service", "build_notifier"]
+__all__ = ["run_service", "build_notifier", "install_event_loop"]
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +20,33 @@ def build_notifier(settings: Settings) -> object | None:
     from notifiers.factory import notifier_from_settings
 
     return notifier_from_settings(settings)
+
+
+def install_event_loop(choice: str) -> str:
+    """Use uvloop for the worker's event loops when asked to, or by default when it is
+    installed (``auto``); returns the loop in use, ``uvloop`` or ``asyncio``.
+
+    Faust's per-record path is asyncio tasks and futures; uvloop runs them faster (10-17 %
+    more records/s through the service here, docs/performance.md). Call before the app's
+    loop exists: every loop created afterwards (the main one, the consumer thread's) is
+    then a uvloop one.
+    """
+    import asyncio
+
+    from trainsentry.errors import ConfigError
+
+    if choice == "asyncio":
+        return "asyncio"
+    try:
+        import uvloop
+    except ImportError as exc:
+        if choice == "uvloop":
+            raise ConfigError("TRAINSENTRY_EVENT_LOOP=uvloop but uvloop is not installed: "
+                              "pip install 'trainsentry[service]' (or uvloop), or set it to "
+                              "auto or asyncio") from exc
+        return "asyncio"
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return "uvloop"
 
 
 def run_service(settings: Settings, *, workdir: str | None = None) -> int:
@@ -47,6 +74,8 @@ def run_service(settings: Settings, *, workdir: str | None = None) -> int:
     if not settings.data_dir:
         settings = replace(settings, data_dir=workdir or tempfile.mkdtemp(prefix="trainsentry-worker-"))
     engine_config = engine_config_for(settings, load_catalog(settings.detector_config or None))
+    loop = install_event_loop(settings.event_loop)
+    log.info("event loop: %s (TRAINSENTRY_EVENT_LOOP=%s)", loop, settings.event_loop)
     notifier = build_notifier(settings)
     app = build_app(settings, engine_config=engine_config, notifier=notifier)
     worker = Worker(app, loglevel=logging.getLevelName(logging.getLogger().level).lower(),

@@ -13,6 +13,7 @@ Silences, acks and alert history are stream_app/alerting_api.py's.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable
@@ -159,9 +160,11 @@ def install_views(app: Any, *, svc: Any, settings: Settings, run_table: Any) -> 
 
     @page("/api/stats")
     async def stats(web: Any, request: Any) -> Any:
+        loop = type(asyncio.get_running_loop()).__module__.split(".")[0]  # uvloop or asyncio
         return web.json({"consumed": svc.consumed, "deadletters": svc.deadletters,
                          "alerts": svc.alerts, "commands": svc.commands, "errors": svc.errors,
-                         "partitions": assigned_partitions(), "runs": sorted(svc.cache)})
+                         "partitions": assigned_partitions(), "runs": sorted(svc.cache),
+                         "event_loop": loop})
 
     # ------------------------------------------------------------------ dashboard
     def asset(name: str) -> tuple[bytes, str] | None:

@@ -35,9 +35,12 @@ def test_hang_fires_within_two_minutes_and_a_long_validation_step_does_not(
     step 11 and must be flagged ≤ 120 s later, as alive-but-stuck; the other pauses 80 s
     of wall time before its next step and must stay quiet."""
     topics = Topics(topic_prefix)
-    svc = ServiceProcess(bootstrap=kafka_bootstrap, prefix=topic_prefix, web_port=free_port).start()
+    # The plain asyncio loop (TRAINSENTRY_EVENT_LOOP=asyncio), so both loops run end to end.
+    svc = ServiceProcess(bootstrap=kafka_bootstrap, prefix=topic_prefix, web_port=free_port,
+                         extra_env={"TRAINSENTRY_EVENT_LOOP": "asyncio"}).start()
     try:
         svc.wait_ready()
+        assert svc.get("/api/stats")[1]["event_loop"] == "asyncio"
         t0 = time.time() - 12 * 20
         hung = MetricsProducer(run_id="hang/stuck", bootstrap=kafka_bootstrap, topic_prefix=topic_prefix)
         slow = MetricsProducer(run_id="hang/validation", bootstrap=kafka_bootstrap,

@@ -421,19 +421,3 @@ def test_the_leak_check_finds_a_secret_and_its_prefix() -> None:
     """Guards the leak checks above: a whole secret or its first 12 characters is found."""
     assert _leaks(f"x{PASSWORD}y") and _leaks(f"token={DT_TOKEN[:12]}")
     assert not _leaks("access_token=***&sign=***")
-
-
-@pytest.mark.parametrize("var, value, fragment", [
-    ("TRAINSENTRY_FINISHED_RUN_RETENTION_S", "-1", "TRAINSENTRY_FINISHED_RUN_RETENTION_S"),
-    ("TRAINSENTRY_IDLE_RUN_RETENTION_S", "600", "could drop a run before its hang"),
-    ("TRAINSENTRY_IDLE_RUN_RETENTION_S", "a week", "must be an integer"),
-])
-def test_run_retention_settings_are_checked(var: str, value: str, fragment: str) -> None:
-    from trainsentry.config import load_settings
-    from trainsentry.errors import ConfigError
-
-    with pytest.raises(ConfigError, match=fragment):
-        load_settings(env={var: value})
-    ok = load_settings(env={"TRAINSENTRY_FINISHED_RUN_RETENTION_S": "0",
-                            "TRAINSENTRY_IDLE_RUN_RETENTION_S": "3600"})
-    assert (ok.finished_run_retention_s, ok.idle_run_retention_s) == (0, 3600)

@@ -79,6 +79,8 @@ def test_restarted_worker_retires_a_finished_run_and_reports_a_stopped_one(
         ready_at = time.time()
         status, body = second.get("/readyz")
         assert status == 200 and body["assigned"] and not body["recovering"], body
+        status, body = second.get("/api/stats")  # TRAINSENTRY_EVENT_LOOP=auto, uvloop installed
+        assert status == 200 and body["event_loop"] == "uvloop", body
         # Taken over without a new record of it, and the finished run dropped.
         _wait("the stopped run adopted and the finished one retired", lambda: (
             "keep/stopped" in (r := _runs(second)) and "keep/finished" not in r), 60, second)

@@ -109,6 +109,7 @@ class Settings:
     detector_config: str = ""
     finished_run_retention_s: int = 86400  #: keep a finished run's state this long (dashboard)
     idle_run_retention_s: int = 7 * 86400  #: drop an unfinished run's state after this silence
+    event_loop: str = "auto"  #: auto (uvloop when installed), uvloop, asyncio
     # Kafka security (SASL/SSL clusters); empty = PLAINTEXT.
     kafka_security_protocol: str = "PLAINTEXT"
     kafka_sasl_mechanism: str = ""
@@ -160,6 +161,7 @@ ENV_VARS: dict[str, str] = {
     "TRAINSENTRY_DETECTOR_CONFIG": "detector_config",
     "TRAINSENTRY_FINISHED_RUN_RETENTION_S": "finished_run_retention_s",
     "TRAINSENTRY_IDLE_RUN_RETENTION_S": "idle_run_retention_s",
+    "TRAINSENTRY_EVENT_LOOP": "event_loop",
     "TRAINSENTRY_KAFKA_SECURITY_PROTOCOL": "kafka_security_protocol",
     "TRAINSENTRY_KAFKA_SASL_MECHANISM": "kafka_sasl_mechanism",
     "TRAINSENTRY_KAFKA_SASL_USERNAME": "kafka_sasl_username",
@@ -203,6 +205,9 @@ def _validate(s: Settings) -> Settings:
         raise ConfigError(f"partitions must be >= 1, got {s.partitions} (TRAINSENTRY_PARTITIONS)")
     if s.breaker_threshold < 1:
         raise ConfigError("breaker_threshold must be >= 1 (TRAINSENTRY_BREAKER_THRESHOLD)")
+    if s.event_loop not in ("auto", "uvloop", "asyncio"):
+        raise ConfigError(f"event_loop must be auto, uvloop or asyncio, got {s.event_loop!r} "
+                          "(TRAINSENTRY_EVENT_LOOP)")
     if s.finished_run_retention_s < 0:
         raise ConfigError(f"finished_run_retention_s must be >= 0 seconds, got "
                           f"{s.finished_run_retention_s} (TRAINSENTRY_FINISHED_RUN_RETENTION_S)")

@@ -26,8 +26,8 @@ def install_event_loop(choice: str) -> str:
     """Use uvloop for the worker's event loops when asked to, or by default when it is
     installed (``auto``); returns the loop in use, ``uvloop`` or ``asyncio``.
 
-    Faust's per-record path is asyncio tasks and futures; uvloop runs them faster (10-17 %
-    more records/s through the service here, docs/performance.md). Call before the app's
+    Faust's per-record path is asyncio tasks and futures; uvloop runs them faster (+16 %
+    records/s through the service on average here, docs/performance.md). Call before the app's
     loop exists: every loop created afterwards (the main one, the consumer thread's) is
     then a uvloop one.
     """

@@ -194,32 +194,51 @@ def _decode_rate(topics: Topics,
     return time.perf_counter() - t0, len(records)
 
 
+class _Logic:
+    """The service's pure logic, driven the way the detect agent drives it: decode, the
+    run's state, the engine; :meth:`finish` polls every join grace and pickles every state
+    once (the table write)."""
+
+    def __init__(self, topics: Topics) -> None:
+        from detectors.engine import Engine, EngineConfig
+        from stream_app.pipeline import Pipeline
+        from trainsentry.config import Secret
+
+        self.engine = Engine(EngineConfig())
+        self.pipeline = Pipeline(engine=self.engine, topics=topics,
+                                 control_secret=Secret("bench-secret"))
+        self.states: dict[str, object] = {}
+
+    def feed(self, topic: str, key: bytes | None, value: bytes | None) -> None:
+        from trainsentry.errors import EventError
+
+        try:
+            event = self.pipeline.decode(topic, key, value)
+        except EventError:
+            return
+        state = self.states.get(event.run_id)
+        if state is None:
+            state = self.states[event.run_id] = self.engine.new_state(event.run_id)
+        self.pipeline.handle(state, event)  # type: ignore[arg-type]
+
+    def finish(self) -> None:
+        from stream_app.pipeline import dump_state
+
+        now = time.time() + 3600.0  # every join grace has passed
+        for state in self.states.values():
+            self.pipeline.poll(state, now)  # type: ignore[arg-type]
+            dump_state(state)  # type: ignore[arg-type]
+
+
 def _pipeline_rate(topics: Topics,
                    records: list[tuple[str, bytes | None, bytes | None]]) -> tuple[float, int]:
     """Seconds for the service's pure logic over ``records`` in this process (no Kafka,
     no Faust), the way the detect agent drives it; returns (seconds, records)."""
-    from detectors.engine import Engine, EngineConfig
-    from stream_app.pipeline import Pipeline, dump_state
-    from trainsentry.config import Secret
-    from trainsentry.errors import EventError
-
-    engine = Engine(EngineConfig())
-    pipeline = Pipeline(engine=engine, topics=topics, control_secret=Secret("bench-secret"))
-    states: dict[str, object] = {}
+    logic = _Logic(topics)
     t0 = time.perf_counter()
     for topic, key, value in records:
-        try:
-            event = pipeline.decode(topic, key, value)
-        except EventError:
-            continue
-        state = states.get(event.run_id)
-        if state is None:
-            state = states[event.run_id] = engine.new_state(event.run_id)
-        pipeline.handle(state, event)  # type: ignore[arg-type]
-    now = time.time() + 3600.0  # every join grace has passed
-    for state in states.values():
-        pipeline.poll(state, now)  # type: ignore[arg-type]
-        dump_state(state)  # type: ignore[arg-type]
+        logic.feed(topic, key, value)
+    logic.finish()
     return time.perf_counter() - t0, len(records)
 
 
@@ -230,14 +249,7 @@ async def _batched_rate(bootstrap: str, names: list[str], topics: Topics,
     state writes, offset commits, rebalances or timers). Returns (seconds, records)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from detectors.engine import Engine, EngineConfig
-    from stream_app.pipeline import Pipeline, dump_state
-    from trainsentry.config import Secret
-    from trainsentry.errors import EventError
-
-    engine = Engine(EngineConfig())
-    pipeline = Pipeline(engine=engine, topics=topics, control_secret=Secret("bench-secret"))
-    states: dict[str, object] = {}
+    logic = _Logic(topics)
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
                                 auto_offset_reset="earliest", group_id=None)
     await consumer.start()
@@ -250,20 +262,10 @@ async def _batched_rate(bootstrap: str, names: list[str], topics: Topics,
         while n < total:
             batches = await consumer.getmany(timeout_ms=1000, max_records=10_000)
             for recs in batches.values():
+                n += len(recs)
                 for r in recs:
-                    n += 1
-                    try:
-                        event = pipeline.decode(r.topic, r.key, r.value)
-                    except EventError:
-                        continue
-                    state = states.get(event.run_id)
-                    if state is None:
-                        state = states[event.run_id] = engine.new_state(event.run_id)
-                    pipeline.handle(state, event)  # type: ignore[arg-type]
-        now = time.time() + 3600.0
-        for state in states.values():
-            pipeline.poll(state, now)  # type: ignore[arg-type]
-            dump_state(state)  # type: ignore[arg-type]
+                    logic.feed(r.topic, r.key, r.value)
+        logic.finish()
         return time.perf_counter() - t0, n
     finally:
         await consumer.stop()

@@ -100,10 +100,17 @@ class LifecycleConfig:
     #: Alert ids remembered per run for deduplication of redelivered records.
     max_seen_ids: int = 512
     inhibit_rules: tuple[InhibitRule, ...] = DEFAULT_INHIBIT_RULES
+    #: A run's book with nothing open and nothing waiting for delivery is dropped this
+    #: long after it last changed (its remembered ids only matter for redelivered records,
+    #: which come within minutes of the original).
+    book_retention_s: float = 86400.0
 
     def __post_init__(self) -> None:
         if self.for_steps < 0 or self.for_s < 0 or self.repeat_interval_s < 0:
             raise ConfigError("alert for_steps, for_s and repeat_interval_s must be >= 0")
+        if not self.book_retention_s > 0:
+            raise ConfigError(f"alert book_retention_s must be > 0 seconds, got "
+                              f"{self.book_retention_s} (TRAINSENTRY_ALERT_BOOK_RETENTION_S)")
         if self.escalate_after < 0:
             raise ConfigError("alert escalate_after must be >= 0")
 
@@ -394,11 +401,14 @@ class RunBook:
         #: Notices staged for delivery and the receivers that already acknowledged each:
         #: after a crash, delivery resumes for the other receivers only.
         self.outbox: list[dict[str, Any]] = []
+        #: Wall time of the last alert observed or notice settled (None: not known, a book
+        #: written before this was recorded; its retention counts from when it is read).
+        self.touched: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"v": 1, "run_id": self.run_id, "max_step": self.max_step, "seen": list(self.seen),
                 "episodes": [asdict(e) for e in self.episodes.values()],
-                "outbox": [dict(o) for o in self.outbox]}
+                "outbox": [dict(o) for o in self.outbox], "touched": self.touched}
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> RunBook:
@@ -409,7 +419,15 @@ class RunBook:
             ep = _Episode(**e)
             book.episodes[ep.fingerprint] = ep
         book.outbox = [dict(o) for o in obj.get("outbox", [])]
+        touched = obj.get("touched")
+        book.touched = float(touched) if isinstance(touched, (int, float)) else None
         return book
+
+    @property
+    def open(self) -> bool:
+        """Something is still to happen for this run: an episode not resolved (pending or
+        firing), or a notice staged and not settled."""
+        return bool(self.episodes) or bool(self.outbox)
 
     @property
     def waiting(self) -> bool:
@@ -468,6 +486,17 @@ class AlertBook:
     def dump(self, run_id: str) -> dict[str, Any]:
         return self.run(run_id).to_dict()
 
+    def retirable(self, run_id: str, *, now: float) -> bool:
+        """Whether the run's book can be dropped: nothing open, nothing staged, and not
+        changed for ``config.book_retention_s``. A book of unknown age starts its count
+        now."""
+        run = self.runs.get(run_id)
+        if run is None or run.open:
+            return False
+        if run.touched is None:
+            run.touched = now
+        return now - run.touched >= self.config.book_retention_s
+
     # -- decisions ------------------------------------------------------------------------
     def observe(self, alerts: Iterable[AlertEvent], *, now: float,
                 silences: Sequence[Silence] = (), acks: Mapping[str, Ack] | None = None) -> Plan:
@@ -479,6 +508,7 @@ class AlertBook:
             by_run.setdefault(alert.run_id, []).append(alert)
         for run_id, run_alerts in by_run.items():
             run = self.run(run_id)
+            run.touched = now
             plan.runs.add(run_id)
             # fingerprint -> (episode, latest firing alert, first?, upgraded?): several
             # firings of one problem in a batch make one notice, of the latest.
@@ -600,6 +630,9 @@ class AlertBook:
         outbox entries; returns every history record of the plan."""
         if delivered is None:
             delivered = self.delivered(plan)
+        for run_id in plan.runs:
+            if (changed := self.runs.get(run_id)) is not None:
+                changed.touched = now
         records = list(plan.records)
         for send in plan.sends:
             n = send.notice

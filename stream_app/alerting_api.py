@@ -60,7 +60,8 @@ def lifecycle_config(settings: Settings | None) -> LifecycleConfig:
         return LifecycleConfig()
     return LifecycleConfig(for_steps=settings.alert_for_steps, for_s=float(settings.alert_for_s),
                            repeat_interval_s=float(settings.alert_repeat_interval_s),
-                           escalate_after=settings.alert_escalate_after)
+                           escalate_after=settings.alert_escalate_after,
+                           book_retention_s=float(settings.alert_book_retention_s))
 
 
 # ------------------------------------------------------------------------------ stores

@@ -89,6 +89,7 @@ METRIC_NAMES: frozenset[str] = frozenset({
     "trainsentry_commands_issued_total", "trainsentry_commands_unpublished_total",
     "trainsentry_commands_applied_total",
     "trainsentry_runs", "trainsentry_runs_active", "trainsentry_runs_retired_total",
+    "trainsentry_alert_books_retired_total",
     "trainsentry_detector_monitors", "trainsentry_detector_state_bytes", "trainsentry_scrape_duration_seconds",
 })
 
@@ -537,6 +538,10 @@ class ServiceCollector:
         yield Counter("trainsentry_runs_retired", "Run states dropped: finished longer than "
                       "TRAINSENTRY_FINISHED_RUN_RETENTION_S, or silent longer than "
                       "TRAINSENTRY_IDLE_RUN_RETENTION_S", value=int(svc.extra.get("runs_retired", 0)))
+        yield Counter("trainsentry_alert_books_retired", "Alert books dropped: nothing open "
+                      "or waiting for delivery and unchanged for "
+                      "TRAINSENTRY_ALERT_BOOK_RETENTION_S",
+                      value=int(svc.extra.get("alert_books_retired", 0)))
         yield Gauge("trainsentry_detector_monitors", "Signal monitors over all runs",
                     value=sum(len(s.monitors) for s in runs.values()))
         yield Gauge("trainsentry_detector_state_bytes", "Pickled size of all RunStates of "

@@ -19,7 +19,9 @@ the timer for the others, before anything new of those runs is decided. The
 Shutdown (SIGTERM) cancels the agent mid-delivery: the batch's messages are then held
 (an extra reference), so they are never acked nor committed and a restart redelivers them.
 A timer releases what waited: matured pending warnings, alerts whose silence expired or
-whose root cause resolved.
+whose root cause resolved. It also retires the books of runs with nothing open and nothing
+waiting that have not changed for ``TRAINSENTRY_ALERT_BOOK_RETENTION_S`` (default a day):
+dropped from memory, with a tombstone on the changelog.
 """
 
 from __future__ import annotations
@@ -84,11 +86,16 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
     waiting: set[str] = set()  # runs with something not notified or not settled: timer work
     dirty: set[str] = set()
     state: dict[str, Any] = {"generation": 0, "seen_generation": 0, "scanned": False,
-                             "flusher": None}
+                             "flusher": None, "retire_check": 0.0}
+    # run -> when its book last changed, for every book of this worker's partitions: what
+    # retirement looks at (a book's own ``touched``; None: unknown, counted from now).
+    ages: dict[str, float | None] = {}
+    retire_every_s = min(30.0, ctx.config.book_retention_s / 4)
     guard = OffsetGuard(stall_s=stall_s, name="alerts")
     held: dict[int, list[Any]] = {}  # partition -> messages held back past a hole
     topic_names = set(alerts_topic.topics)
-    for key in ("delivered", "duplicates_skipped", "notices", "held_on_shutdown"):
+    for key in ("delivered", "duplicates_skipped", "notices", "held_on_shutdown",
+                "alert_books_retired"):
         svc.extra[key] = 0
     # shown by GET /api/alerting
     ctx.stats.update(offset_seeks=0, resumed_notices=0)
@@ -104,6 +111,7 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
         if state["seen_generation"] != state["generation"]:
             book.runs.clear()
             waiting.clear()
+            ages.clear()
             state["scanned"] = False
             state["seen_generation"] = state["generation"]
 
@@ -133,6 +141,41 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
                 continue
             table[run_id.encode()] = json.dumps(run.to_dict(), separators=(",", ":")).encode()
             (waiting.add if run.waiting else waiting.discard)(run_id)
+            ages[run_id] = run.touched
+
+    def retire_books(now: float) -> None:
+        """Drop the books of runs with nothing open or waiting that have not changed for
+        TRAINSENTRY_ALERT_BOOK_RETENTION_S: from memory, and from the changelog (a
+        tombstone), so neither grows with every run that ever alerted."""
+        if now - state["retire_check"] < retire_every_s:
+            return
+        state["retire_check"] = now
+        limit = ctx.config.book_retention_s
+        mine = set(owned_tps())
+        for run_id, touched in list(ages.items()):
+            if (touched is not None and now - touched < limit) or run_id in waiting:
+                continue
+            key = run_id.encode()
+            if table.partition_for_key(key) not in mine:
+                ages.pop(run_id, None)  # moved to another worker: its owner decides
+                continue
+            try:
+                load([run_id])
+            except ValueError as exc:  # not JSON: left alone, never silently deleted
+                ages.pop(run_id, None)
+                log.error("alert book of run %r does not load (%s); it is kept as it is",
+                          run_id, exc)
+                continue
+            if not book.retirable(run_id, now=now):
+                ages[run_id] = book.runs[run_id].touched
+                continue
+            if table.get(key) is not None:
+                del table[key]  # a tombstone: compaction removes the run's entries
+            book.runs.pop(run_id, None)
+            ages.pop(run_id, None)
+            svc.extra["alert_books_retired"] += 1
+            log.info("alert book of run %s retired: nothing open and no change for %.0fs; an "
+                     "alert of this run after this starts a fresh book", run_id, limit)
 
     async def persist_soon() -> None:
         # Receivers acknowledge one digest at a time; write their progress in small batches.
@@ -310,10 +353,18 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
                 # Only runs of partitions this worker holds: the in-memory store keeps the
                 # keys of partitions that moved to another worker, stale.
                 for key, raw in list(table.items()):
-                    if raw and table.partition_for_key(key) in mine and (
-                            b'"notified":false' in raw or b'"outbox":[{' in raw):
-                        waiting.add(key.decode())
+                    if not raw or table.partition_for_key(key) not in mine:
+                        continue
+                    run_id = key.decode(errors="replace")
+                    if b'"notified":false' in raw or b'"outbox":[{' in raw:
+                        waiting.add(run_id)
+                    try:
+                        touched = json.loads(raw).get("touched")
+                    except (ValueError, AttributeError):
+                        touched = None  # load() reports an unreadable book when it is used
+                    ages[run_id] = touched if isinstance(touched, (int, float)) else None
                 state["scanned"] = True
+            retire_books(time.time())
             if not waiting:
                 return
             run_ids = sorted(waiting)

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from kafka import KafkaProducer
 
+from bench._common import read_topic
 from tests.chat_servers import FakeDingTalk, FakeWeCom
 from tests.service_proc import ServiceProcess
 from trainsentry import alerting_cli
@@ -253,6 +254,84 @@ async def test_silence_ack_inhibition_escalation_resolve_and_charts_end_to_end(
         producer.close()
         elapsed = svc.stop()
     assert elapsed < 15
+
+
+async def test_quiet_alert_books_are_retired_live_and_after_a_restart_open_ones_kept(
+        kafka_bootstrap: str, topic_prefix: str, free_port: int,
+        dingtalk_server: FakeDingTalk, wecom_server: FakeWeCom) -> None:
+    """A run's alert book with nothing open is dropped (memory and a changelog tombstone)
+    TRAINSENTRY_ALERT_BOOK_RETENTION_S after its last change: one written by an earlier
+    worker (found by the restarted worker's scan of the table) and one of its own. A
+    book with a firing episode stays. A run alerting again after that is notified anew."""
+    ding, wecom = dingtalk_server, wecom_server
+    topics = Topics(topic_prefix)
+    app_id = f"ts-books-{topic_prefix.rstrip('.')}"
+    changelog = f"{app_id}-alert_book-changelog"
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, linger_ms=5)
+
+    def in_chat(token: str) -> int:
+        return _messages_with(ding, token)
+
+    def books() -> dict[bytes, bytes | None]:
+        return {r.key: r.value for r in read_topic(kafka_bootstrap, changelog, timeout_ms=1000)}
+
+    def retired(svc: ServiceProcess) -> float:
+        status, text = svc.get("/metrics")
+        assert status == 200
+        line = [ln for ln in text.splitlines()
+                if ln.startswith("trainsentry_alert_books_retired_total")]
+        return float(line[0].split()[-1]) if line else -1.0
+
+    async def send(*alerts: AlertEvent) -> None:
+        await asyncio.to_thread(_publish, producer, topics, list(alerts))
+
+    first = ServiceProcess(bootstrap=kafka_bootstrap, prefix=topic_prefix, web_port=free_port,
+                           app_id=app_id, extra_env=_env(_robots(ding, wecom))).start()
+    try:
+        await asyncio.to_thread(first.wait_ready)
+        await send(_alert("books/old", "kl_drift", summary="tokOldFire"),
+                   _alert("books/open", "memory_leak", summary="tokOpenFire"))
+        await _wait(lambda: in_chat("tokOldFire") and in_chat("tokOpenFire"), 60,
+                    "the first firing notices")
+        await send(_alert("books/old", "kl_drift", step=11, status="resolved",
+                          summary="tokOldResolved"))
+        await _wait(lambda: in_chat("tokOldResolved") == 1, 60, "the resolved notice")
+        assert retired(first) == 0  # the default retention is a day
+    finally:
+        first.stop()
+    stored = books()
+    assert stored.get(b"books/old") and stored.get(b"books/open"), stored.keys()
+    assert json.loads(stored[b"books/old"])["episodes"] == []
+
+    second = ServiceProcess(bootstrap=kafka_bootstrap, prefix=topic_prefix, web_port=free_port,
+                            app_id=app_id, extra_env=_env(_robots(ding, wecom),
+                                                          TRAINSENTRY_ALERT_BOOK_RETENTION_S="4")
+                            ).start()
+    try:
+        await asyncio.to_thread(second.wait_ready)
+        # Written before the restart and not read since: found by the table scan.
+        await _wait(lambda: retired(second) >= 1, 30, "the earlier worker's quiet book retired")
+        await send(_alert("books/new", "lr_drift", summary="tokNewFire"))
+        await _wait(lambda: in_chat("tokNewFire") == 1, 60, "the new run's firing notice")
+        await send(_alert("books/new", "lr_drift", step=11, status="resolved",
+                          summary="tokNewResolved"))
+        await _wait(lambda: in_chat("tokNewResolved") == 1, 60, "the new run's resolve")
+        await _wait(lambda: retired(second) >= 2, 30, "the new run's book retired")
+        stored = books()
+        assert b"books/old" in stored and stored[b"books/old"] is None, "no tombstone"
+        assert b"books/new" in stored and stored[b"books/new"] is None, "no tombstone"
+        assert stored.get(b"books/open"), "a book with a firing episode must stay"
+        assert "alert book of run books/old retired" in second.log()
+        # A run alerting again starts a fresh book, and is notified.
+        await send(_alert("books/old", "kl_drift", step=90, summary="tokOldAgain"))
+        await _wait(lambda: in_chat("tokOldAgain") == 1, 60, "the returning run's notice")
+        assert retired(second) == 2 and books().get(b"books/old")
+        assert in_chat("tokOldFire") == 1 and in_chat("tokOldResolved") == 1  # nothing resent
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{second.log()[-4000:]}") from None
+    finally:
+        producer.close()
+        second.stop()
 
 
 def _delivery_report(tokens: list[str], ding: FakeDingTalk, wecom: FakeWeCom,

@@ -378,3 +378,63 @@ def test_several_firings_of_one_problem_in_a_batch_make_one_notice() -> None:
     plan, records = run_through(b, [alert(step=10), alert(step=60, n=1)])
     assert [n.step for n in plan.notices] == [60]
     assert transitions(records) == [("firing", True)]
+
+
+# ------------------------------------------------------------------------------ retention
+
+def test_a_quiet_book_is_retirable_only_after_the_retention_and_never_while_open() -> None:
+    b = book(book_retention_s=100.0)
+    run_through(b, [alert(step=10)], now=1000.0)  # firing, notified: an open episode
+    assert b.runs[RUN].open and b.runs[RUN].touched == 1000.0
+    assert not b.retirable(RUN, now=10_000.0)  # open: kept however old
+    run_through(b, [alert(step=12, status="resolved")], now=1050.0)
+    run = b.runs[RUN]
+    assert not run.open and run.touched == 1050.0
+    assert not b.retirable(RUN, now=1149.0)
+    assert b.retirable(RUN, now=1150.0)
+    assert not b.retirable("never/seen", now=1e9)
+
+
+def test_a_staged_notice_keeps_the_book_and_settling_refreshes_its_age() -> None:
+    b = book(book_retention_s=10.0)
+    plan = b.observe([alert(step=3)], now=0.0)
+    b.stage(plan)
+    b.settle(plan, {n.id for n in plan.notices}, now=0.5)
+    resolved = b.observe([alert(step=4, status="resolved")], now=1.0)
+    b.stage(resolved)  # the resolved notice is staged, not settled (a crash here)
+    assert b.runs[RUN].outbox and not b.runs[RUN].episodes
+    assert not b.retirable(RUN, now=500.0)
+    b.settle(resolved, {n.id for n in resolved.notices}, now=600.0)
+    assert not b.runs[RUN].outbox and b.runs[RUN].touched == 600.0
+    assert not b.retirable(RUN, now=605.0) and b.retirable(RUN, now=610.0)
+
+
+def test_the_age_survives_the_table_and_an_old_book_counts_from_when_it_is_read() -> None:
+    b = book(book_retention_s=60.0)
+    run_through(b, [alert(step=1), alert(step=2, status="resolved")], now=500.0)
+    raw = json.loads(json.dumps(b.dump(RUN)))
+    assert raw["touched"] == 500.0
+    restored = book(book_retention_s=60.0)
+    restored.restore(RUN, raw)
+    assert restored.runs[RUN].touched == 500.0 and restored.retirable(RUN, now=560.0)
+    del raw["touched"]  # written before books recorded their age
+    old = book(book_retention_s=60.0)
+    old.restore(RUN, raw)
+    assert not old.retirable(RUN, now=9_000.0)  # unknown age: counted from now
+    assert not old.retirable(RUN, now=9_059.0) and old.retirable(RUN, now=9_060.0)
+
+
+def test_a_fresh_book_after_retirement_notifies_the_next_problem() -> None:
+    b = book(book_retention_s=1.0)
+    run_through(b, [alert(step=1), alert(step=2, status="resolved")], now=0.0)
+    assert b.retirable(RUN, now=5.0)
+    b.runs.pop(RUN)
+    plan, records = run_through(b, [alert(step=40)], now=6.0)
+    assert [n.id for n in plan.notices] == [f"{RUN}|nan_loss|40|firing|0"]
+    assert transitions(records) == [("firing", True)]
+
+
+@pytest.mark.parametrize("bad", [0.0, -5.0])
+def test_book_retention_must_be_positive(bad: float) -> None:
+    with pytest.raises(ConfigError, match="TRAINSENTRY_ALERT_BOOK_RETENTION_S"):
+        LifecycleConfig(book_retention_s=bad)

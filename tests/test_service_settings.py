@@ -1,4 +1,4 @@
-"""Service settings that shape the worker: run retention and the event loop."""
+"""Service settings that shape the worker: run and alert-book retention, the event loop."""
 
 from __future__ import annotations
 
@@ -18,10 +18,19 @@ from trainsentry.errors import ConfigError
     ("TRAINSENTRY_IDLE_RUN_RETENTION_S", "600", "could drop a run before its hang"),
     ("TRAINSENTRY_IDLE_RUN_RETENTION_S", "a week", "must be an integer"),
     ("TRAINSENTRY_EVENT_LOOP", "trio", "auto, uvloop or asyncio"),
+    ("TRAINSENTRY_ALERT_BOOK_RETENTION_S", "0", "TRAINSENTRY_ALERT_BOOK_RETENTION_S"),
 ])
 def test_bad_values_name_the_variable_to_fix(var: str, value: str, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         load_settings(env={var: value})
+
+
+def test_alert_book_retention_reaches_the_lifecycle() -> None:
+    from stream_app.alerting_api import lifecycle_config
+
+    assert lifecycle_config(load_settings(env={})).book_retention_s == 86400.0
+    short = load_settings(env={"TRAINSENTRY_ALERT_BOOK_RETENTION_S": "5"})
+    assert lifecycle_config(short).book_retention_s == 5.0
 
 
 def test_defaults_and_accepted_values() -> None:

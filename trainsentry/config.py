@@ -122,6 +122,7 @@ class Settings:
     alert_for_steps: int = 10
     alert_repeat_interval_s: int = 0  #: least seconds between repeats of one problem
     alert_escalate_after: int = 2  #: repeats before the on-call list is @-mentioned (0: never)
+    alert_book_retention_s: int = 86400  #: drop a run's quiet alert book after this long
     alert_charts: bool = True
     oncall_mobiles: str = ""  #: DingTalk at_mobiles, comma-separated
     oncall_wecom_users: str = ""  #: WeCom mentioned_list userids, comma-separated
@@ -172,6 +173,7 @@ ENV_VARS: dict[str, str] = {
     "TRAINSENTRY_ALERT_FOR_STEPS": "alert_for_steps",
     "TRAINSENTRY_ALERT_REPEAT_INTERVAL_S": "alert_repeat_interval_s",
     "TRAINSENTRY_ALERT_ESCALATE_AFTER": "alert_escalate_after",
+    "TRAINSENTRY_ALERT_BOOK_RETENTION_S": "alert_book_retention_s",
     "TRAINSENTRY_ALERT_CHARTS": "alert_charts",
     "TRAINSENTRY_ONCALL_MOBILES": "oncall_mobiles",
     "TRAINSENTRY_ONCALL_WECOM_USERS": "oncall_wecom_users",
@@ -215,6 +217,10 @@ def _validate(s: Settings) -> Settings:
         raise ConfigError(f"idle_run_retention_s must be >= 3600 seconds, got "
                           f"{s.idle_run_retention_s} (TRAINSENTRY_IDLE_RUN_RETENTION_S): a "
                           "shorter one could drop a run before its hang is reported")
+    if s.alert_book_retention_s < 1:
+        raise ConfigError(f"alert_book_retention_s must be >= 1 second, got "
+                          f"{s.alert_book_retention_s} (TRAINSENTRY_ALERT_BOOK_RETENTION_S); "
+                          "keep it at an hour or more in production")
     if not s.kafka_bootstrap:
         raise ConfigError("kafka_bootstrap is empty; set TRAINSENTRY_KAFKA_BOOTSTRAP=host:port")
     return s

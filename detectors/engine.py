@@ -517,6 +517,7 @@ class Engine:
             confidence=round(d.confidence, 3), secondary=sorted(set(secondary)),
             checks=list(know.checks), host=d.host, rank=d.rank,
             series=self._series(state, d.evidence),
+            summary_zh=f"{d.label}：{d.summary_zh}" if d.summary_zh else None,
         )
 
     @staticmethod
@@ -633,13 +634,17 @@ class Engine:
         how = ("process alive but stuck (heartbeats/resource samples still arrive): "
                "a hung collective (NCCL) or a deadlock" if alive else
                "everything went silent: the process or host is probably dead")
+        how_zh = ("进程还在（心跳和资源采样仍在到达）但卡住了：集合通信（NCCL）挂起或死锁" if alive
+                  else "全部静默：进程或主机很可能已经挂掉")
         d = Diagnosis("training_hang", "critical", 0.9 if alive else 0.8,
                       f"no new step for {silent_for:.0f}s after step {state.last_evaluated} "
                       f"(usual p95 step interval {p95:.0f}s, limit {limit:.0f}s); {how}",
                       {"seconds_since_last_step": {"value": _round(silent_for),
                                                    "baseline": _round(p95), "bound": _round(limit),
                                                    "heartbeats": bool(alive)}},
-                      critical_reason="no step for far longer than usual")
+                      critical_reason="no step for far longer than usual",
+                      summary_zh=f"第 {state.last_evaluated} 步之后 {silent_for:.0f}s 没有新的步"
+                      f"（通常 p95 步间隔 {p95:.0f}s，上限 {limit:.0f}s）；{how_zh}")
         fp = _fingerprint(state.run_id, "training_hang")
         st = state.alerts.get(fp)
         if st is not None:

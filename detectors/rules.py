@@ -92,6 +92,8 @@ class Diagnosis:
     critical_reason: str | None = None
     host: str | None = None
     rank: int | None = None
+    #: The summary in Chinese, with the same figures (chat messages in zh show it).
+    summary_zh: str | None = None
 
     @property
     def specificity(self) -> int:
@@ -151,7 +153,9 @@ def rule_nan_loss(ctx: StepContext) -> Diagnosis | None:
     return Diagnosis("nan_loss", "critical", 1.0,
                      f"{', '.join(bad)} non-finite at step {ctx.step} ({n} step(s) in a row); "
                      "verl skips the optimizer step on a NaN gradient, so the run may look alive",
-                     ev, critical_reason="non-finite loss or gradient norm")
+                     ev, critical_reason="non-finite loss or gradient norm",
+                     summary_zh=f"{', '.join(bad)} 在第 {ctx.step} 步出现非有限值（NaN/Inf，已连续 "
+                     f"{n} 步）；梯度为 NaN 时 verl 会跳过优化器更新，训练看起来可能仍在正常运行")
 
 
 def _remember_finite(ctx: StepContext) -> None:
@@ -208,21 +212,26 @@ def rule_stalled_learning(ctx: StepContext) -> Diagnosis | None:
         ev["response_length/clip_ratio"] = _ev(clip, None, 0.95)
     if amax is not None and amin is not None:
         ev["critic/advantages/max|min|"] = _ev(max(abs(amax), abs(amin)), None, 0.1)
-    why = []
+    why, why_zh = [], []
     if uniform:
         why.append(f"every reward = {smax:.3g}")
+        why_zh.append(f"所有奖励都等于 {smax:.3g}")
     if capped:
         why.append(f"{clip:.0%} of responses cut at the length cap")
+        why_zh.append(f"{clip:.0%} 的回复被长度上限截断")
     if zero_grad:
         why.append("gradient norm exactly 0")
+        why_zh.append("梯度范数恰好为 0")
     elif tiny_adv:
         why.append("advantages ~0")
+        why_zh.append("优势值接近 0")
     critical = streak >= STALL_CRITICAL_STEPS
     return Diagnosis("stalled_learning", "critical" if critical else "warning",
                      min(1.0, 0.55 + 0.1 * count + streak / 100),
                      f"no learning signal for {streak} steps: {', '.join(why)}", ev,
                      critical_reason=(f"no learning signal for {STALL_CRITICAL_STEPS}+ steps"
-                                      if critical else None))
+                                      if critical else None),
+                     summary_zh=f"已连续 {streak} 步没有学习信号：{'，'.join(why_zh)}")
 
 
 # --------------------------------------------------------------------------- numeric_underflow
@@ -238,7 +247,8 @@ def rule_numeric_underflow(ctx: StepContext) -> Diagnosis | None:
     return Diagnosis("numeric_underflow", "critical" if critical else "warning", 0.9,
                      f"empty-response ratio {empty:.0%} while response length collapses "
                      "(logits underflow after softmax?)", ev,
-                     critical_reason="empty-response ratio anomalous and above 15%" if critical else None)
+                     critical_reason="empty-response ratio anomalous and above 15%" if critical else None,
+                     summary_zh=f"空回复比例 {empty:.0%}，同时回复长度骤降（softmax 之后 logits 下溢？）")
 
 
 # --------------------------------------------------------------------------- straggler
@@ -305,29 +315,37 @@ def rule_straggler(ctx: StepContext) -> Diagnosis | None:
         return None
     host = ctx.hosts.get(rank)
     where = f"rank {rank}" + (f" on {host}" if host else "")
+    where_zh = f"rank {rank}" + (f"（{host}）" if host else "")
     if len(out.slow_ranks) > 1:
         hosts = {ctx.hosts.get(r) for r in out.slow_ranks}
         others = ", ".join(str(r) for r in out.slow_ranks[1:])
+        whole_host = len(hosts) == 1 and bool(host)
         where += (f" (with ranks {others}: the whole host looks slow)"
-                  if len(hosts) == 1 and host else f" (ranks {others} are slow too)")
+                  if whole_host else f" (ranks {others} are slow too)")
+        where_zh += (f"（连同 rank {others}：整台主机都偏慢）" if whole_host
+                     else f"（rank {others} 也偏慢）")
     ev = {f"timing_s/rank_step[rank={rank}]": _ev(slow, med, STRAGGLER_RATIO * med, host=host,
                                                   peer_z=out.z, ranks=len(ctx.ranks),
                                                   slow_ranks=list(out.slow_ranks))}
     peer_util = [v["gpu/utilization_pct"] for r, v in ctx.ranks.items()
                  if r != rank and "gpu/utilization_pct" in v]
     own_util = ctx.ranks.get(rank, {}).get("gpu/utilization_pct")
-    extra = ""
+    extra = extra_zh = ""
     if peer_util and own_util is not None:
         pu = statistics.median(peer_util)
         ev[f"gpu/utilization_pct[rank={rank}]"] = _ev(own_util, pu, None)
         if own_util > pu + 10:
             extra = f"; its GPU is busy ({own_util:.0f}%) while the peers wait ({pu:.0f}%)"
+            extra_zh = f"；它的 GPU 很忙（{own_util:.0f}%），其他 rank 在等待（{pu:.0f}%）"
     temp = ctx.ranks.get(rank, {}).get("gpu/temperature_c")
     if temp is not None and temp >= 85:
         extra += f"; GPU at {temp:.0f} °C (thermal throttling?)"
+        extra_zh += f"；GPU 温度 {temp:.0f} °C（是否过热降频？）"
     return Diagnosis("straggler", "warning", min(1.0, 0.7 + 0.05 * n),
                      f"{where} takes {slow:.3g}s per step, {slow / med:.1f}x the peers' median "
-                     f"{med:.3g}s, for {n} steps{extra}", ev, host=host, rank=rank)
+                     f"{med:.3g}s, for {n} steps{extra}", ev, host=host, rank=rank,
+                     summary_zh=f"{where_zh} 每步耗时 {slow:.3g}s，是其他 rank 中位数 {med:.3g}s 的 "
+                     f"{slow / med:.1f} 倍，已持续 {n} 步{extra_zh}")
 
 
 # --------------------------------------------------------------------------- dataloader_stall
@@ -375,7 +393,9 @@ def rule_dataloader_stall(ctx: StepContext) -> Diagnosis | None:
         "dataloader_stall", "critical" if critical else "warning", min(1.0, 0.7 + 0.1 * n),
         f"GPUs idle at {util:.0f}%, {f_lat.key} {ratio:.1f}x its baseline, forward time flat: "
         "the input pipeline or disk I/O starves the GPUs", ev,
-        critical_reason="rollout latency anomalous and above 5 s" if critical else None)
+        critical_reason="rollout latency anomalous and above 5 s" if critical else None,
+        summary_zh=f"GPU 利用率仅 {util:.0f}%，{f_lat.key} 是基线的 {ratio:.1f} 倍，前向时间持平："
+        "输入管线或磁盘 I/O 跟不上，GPU 在空等")
 
 
 # --------------------------------------------------------------------------- comm_degradation
@@ -391,13 +411,16 @@ def rule_comm_degradation(ctx: StepContext) -> Diagnosis | None:
     n = ctx.bump("comm", holds)
     if f is None or not holds or (n < 2 and ratio < 3.0):
         return None
-    share = ""
+    share = share_zh = ""
     step = ctx.role("step_time")
     if step and step > 0 and comm is not None:
         share = f" ({comm / step:.0%} of the step)"
+        share_zh = f"（占每步时间的 {comm / step:.0%}）"
     return Diagnosis("comm_degradation", "warning", min(1.0, 0.6 + 0.1 * n),
                      f"{f.key} {f.value:.3g}s, {ratio:.1f}x its baseline {f.baseline:.3g}s{share}: "
-                     "NCCL / network", {f.key: f.evidence()})
+                     "NCCL / network", {f.key: f.evidence()},
+                     summary_zh=f"{f.key} 为 {f.value:.3g}s，是基线 {f.baseline:.3g}s 的 {ratio:.1f} 倍"
+                     f"{share_zh}：NCCL / 网络问题")
 
 
 # --------------------------------------------------------------------------- memory_leak
@@ -497,7 +520,9 @@ def rule_memory_leak(ctx: StepContext) -> Diagnosis | None:
                      f"GPU memory climbing {slope:.3g} GB/step for {w}+ steps ({used:.1f}/{cap:.0f} GB): "
                      f"~{steps_left:.0f} steps to capacity", ev,
                      critical_reason=("GPU memory above 95% of capacity or out of memory within 10 steps"
-                                      if critical else None))
+                                      if critical else None),
+                     summary_zh=f"GPU 显存每步增长 {slope:.3g} GB，已持续 {w}+ 步（{used:.1f}/{cap:.0f} "
+                     f"GB）：约 {steps_left:.0f} 步后耗尽")
 
 
 # --------------------------------------------------------------------------- entropy_collapse
@@ -536,21 +561,25 @@ def rule_entropy_collapse(ctx: StepContext) -> Diagnosis | None:
     if not holds:
         return None
     ev = {"actor/entropy": _ev(ent, base, ENTROPY_RATIO * base, ratio=ratio)}
-    extra = []
+    extra, extra_zh = [], []
     if len(score) >= 4 and score[-1] > score[0]:
         extra.append("reward still rising (possible reward hacking)")
+        extra_zh.append("奖励仍在上升（可能是 reward hacking）")
     kl_hist = ctx.history.get("kl")
     f_kl = ctx.role_findings.get("kl")
     if f_kl is not None and kl_hist and len(kl_hist) >= 4 and kl_hist[-1] > kl_hist[-4]:
         # KL running away with it: the same evidence makes a kl_drift of this step secondary.
         extra.append("KL rising past its band")
+        extra_zh.append("KL 上升并超出健康区间")
         ev[f_kl.key] = f_kl.evidence()
     critical = ratio < ENTROPY_CRITICAL_RATIO
     return Diagnosis("entropy_collapse", "critical" if critical else "warning",
                      min(1.0, 0.7 + 0.1 * len(extra) + 0.05 * n),
                      f"policy entropy fell to {ent:.3g}, {ratio:.0%} of its recent median {base:.3g}"
                      + (f"; {', '.join(extra)}" if extra else ""), ev,
-                     critical_reason="entropy collapsed below 35% of its recent level" if critical else None)
+                     critical_reason="entropy collapsed below 35% of its recent level" if critical else None,
+                     summary_zh=f"策略熵降至 {ent:.3g}，仅为近期中位数 {base:.3g} 的 {ratio:.0%}"
+                     + (f"；{'，'.join(extra_zh)}" if extra_zh else ""))
 
 
 # --------------------------------------------------------------------------- kl_drift
@@ -594,7 +623,9 @@ def rule_kl_drift(ctx: StepContext) -> Diagnosis | None:
                      f"{key} {kl:.3g} and rising for {n} steps ({rate:+.3g}/step; "
                      f"baseline {base:.3g})",
                      {key: _ev(kl, base, bound, per_step=rate, abs_bound=KL_ABS)},
-                     critical_reason="KL anomalous and above 0.8" if critical else None)
+                     critical_reason="KL anomalous and above 0.8" if critical else None,
+                     summary_zh=f"{key} 为 {kl:.3g}，已连续 {n} 步上升（每步 {rate:+.3g}；基线 "
+                     f"{base:.3g}）")
 
 
 # --------------------------------------------------------------------------- gradient_instability
@@ -646,7 +677,10 @@ def rule_gradient_instability(ctx: StepContext) -> Diagnosis | None:
                      {"actor/grad_norm": _ev(g, math.exp(med), math.exp(high_ref + GRAD_Z * sigma),
                                              lower_bound=math.exp(low_ref - GRAD_Z * sigma),
                                              std_last3=spread, historical_mean=mean_hist,
-                                             outliers_up=n_up, outliers_down=n_down, steps=n)})
+                                             outliers_up=n_up, outliers_down=n_down, steps=n)},
+                     summary_zh=f"actor/grad_norm 剧烈波动：最近 {GRAD_WINDOW} 步中有 {n_up + n_down} 步"
+                     f"偏离常值 {math.exp(med):.3g} 超过 {math.exp(GRAD_Z * sigma):.2g} 倍（其中 {n_down} "
+                     f"步偏低）；最近 3 步标准差 {spread:.3g}，历史均值 {mean_hist:.3g}")
 
 
 # --------------------------------------------------------------------------- lr_drift
@@ -737,7 +771,9 @@ def rule_lr_drift(ctx: StepContext) -> Diagnosis | None:
     return Diagnosis("lr_drift", "warning", min(1.0, 0.7 + 0.05 * n),
                      f"actor/lr {lr:.3g} is {off:.0%} {'above' if lr > best else 'below'} the "
                      f"configured schedule ({best:.3g}) for {n} steps",
-                     {"actor/lr": _ev(lr, best, bound, steps=n)})
+                     {"actor/lr": _ev(lr, best, bound, steps=n)},
+                     summary_zh=f"actor/lr 为 {lr:.3g}，{'高于' if lr > best else '低于'}配置的学习率计划"
+                     f"（{best:.3g}）{off:.0%}，已持续 {n} 步")
 
 
 # --------------------------------------------------------------------------- unknown
@@ -767,14 +803,18 @@ def rule_unknown(ctx: StepContext) -> Diagnosis | None:
     if stuck and n_lat >= 2:
         f = ctx.role_findings["latency"]
         fwd = _ratio(ctx, "forward_time")
-        hint = (f"; forward time is up too ({fwd:.1f}x): the model itself is slower"
-                if fwd is not None and fwd > FORWARD_UP_RATIO else "")
+        slower = fwd is not None and fwd > FORWARD_UP_RATIO
+        hint = f"; forward time is up too ({fwd:.1f}x): the model itself is slower" if slower else ""
+        hint_zh = f"；前向时间也在上升（{fwd:.1f} 倍）：模型本身变慢了" if slower else ""
         return Diagnosis("unknown", "critical", 0.5,
                          f"{f.key} {f.value:.3g}s, {f.value / max(f.baseline, 1e-9):.1f}x its baseline "
                          f"for {n_lat} steps and no known pattern explains it (not the input "
                          f"pipeline, a straggler or longer responses): generation may be stuck{hint}",
                          {f.key: f.evidence()},
-                         critical_reason="rollout latency anomalous and above 5 s")
+                         critical_reason="rollout latency anomalous and above 5 s",
+                         summary_zh=f"{f.key} 为 {f.value:.3g}s，是基线的 "
+                         f"{f.value / max(f.baseline, 1e-9):.1f} 倍，已持续 {n_lat} 步，且没有已知模式"
+                         f"能解释（不是输入管线、慢节点或回复变长）：生成可能卡住了{hint_zh}")
     sustained = []
     strong = set()
     for key, f in ctx.findings.items():
@@ -794,7 +834,9 @@ def rule_unknown(ctx: StepContext) -> Diagnosis | None:
     return Diagnosis("unknown", "warning", 0.3,
                      f"{len(sustained)} signal(s) outside their healthy band for "
                      f"{UNKNOWN_SUSTAIN}+ steps: " + ", ".join(f.key for f in sustained[:3]),
-                     {f.key: f.evidence() for f in sustained[:5]})
+                     {f.key: f.evidence() for f in sustained[:5]},
+                     summary_zh=f"{len(sustained)} 个信号已连续 {UNKNOWN_SUSTAIN}+ 步超出健康区间："
+                     + ", ".join(f.key for f in sustained[:3]))
 
 
 def _bookkeeping(ctx: StepContext) -> Diagnosis | None:

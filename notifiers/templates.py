@@ -148,12 +148,13 @@ def _repeat_info(alerts: Sequence[AlertEvent]) -> tuple[int, bool]:
 _RESOLVED_SUMMARY = re.compile(r"(?P<label>[\w./-]+): resolved at step (?P<step>-?\d+) "
                                r"\((?P<reason>[^)]*)\); firing since step (?P<since>-?\d+)")
 _CLEAR_FOR = re.compile(r"clear for (\d+) steps?")
+_IDLE_FOR = re.compile(r"no event for ([\d.]+) days; the watchdog stopped watching this run")
 _REASONS_ZH = {"run finished": "训练已结束"}
 
 
 def summary_text(alert: AlertEvent, language: str = "zh") -> str:
-    """The alert's summary in ``language`` where the engine wrote it from a known pattern
-    (the resolved notice), else verbatim.
+    """The alert's summary in ``language``: the engine's Chinese summary of a firing alert
+    (``summary_zh``), the resolved notice's known pattern rendered in zh, else verbatim.
 
     >>> a = AlertEvent(id="x", fingerprint="f", run_id="r", status="resolved",
     ...                severity="critical", diagnosis="nan_loss", step=71, ts=0.0,
@@ -164,11 +165,19 @@ def summary_text(alert: AlertEvent, language: str = "zh") -> str:
     """
     if language != "zh":
         return alert.summary
+    if alert.summary_zh:
+        return alert.summary_zh
     m = _RESOLVED_SUMMARY.fullmatch(alert.summary)
     if m is None:
         return alert.summary
     clear = _CLEAR_FOR.fullmatch(m["reason"])
-    reason = f"连续 {clear[1]} 步正常" if clear else _REASONS_ZH.get(m["reason"], m["reason"])
+    idle = _IDLE_FOR.fullmatch(m["reason"])
+    if clear:
+        reason = f"连续 {clear[1]} 步正常"
+    elif idle:
+        reason = f"已 {idle[1]} 天没有任何事件，trainsentry 不再监视这个运行"
+    else:
+        reason = _REASONS_ZH.get(m["reason"], m["reason"])
     return f"{m['label']}：已于第 {m['step']} 步恢复（{reason}）；自第 {m['since']} 步起告警"
 
 

@@ -26,6 +26,7 @@ from notifiers.templates import (
     render_title,
     render_wecom_markdown,
     severity_name,
+    summary_text,
 )
 from trainsentry.config import Secret
 from trainsentry.errors import ConfigError
@@ -171,7 +172,7 @@ class WeCom:
             "main_title": {"title": _cut(title, 60), "desc": _cut(desc, 60)},
             "emphasis_content": {"title": str(len(alerts)),
                                  "desc": "alerts" if lang == "en" else "条告警"},
-            "sub_title_text": _cut(top.summary or desc, 200),
+            "sub_title_text": _cut(summary_text(top, lang) if top.summary else desc, 200),
             "horizontal_content_list": rows[:6],
             "card_action": {"type": 1, "url": self.dashboard_url},
             "jump_list": [{"type": 1, "url": self.dashboard_url,

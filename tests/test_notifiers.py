@@ -207,6 +207,19 @@ async def test_wecom_every_msgtype_is_accepted(wecom_server: FakeWeCom, msgtype:
         assert "<@zhangsan>" in msg.payload["markdown"]["content"]
 
 
+@pytest.mark.parametrize("language", ["zh", "en"])
+async def test_wecom_card_subtitle_is_the_summary_in_the_message_language(
+        wecom_server: FakeWeCom, language: str) -> None:
+    alert = make_alert(summary="dataloader_stall: GPUs idle at 12%",
+                       summary_zh="dataloader_stall：GPU 利用率仅 12%")
+    async with WeCom(url=wecom_server.url, msgtype="template_card", language=language,
+                     dashboard_url="http://127.0.0.1:6066/runs/x") as robot:
+        await robot.send_alerts([alert])
+    card = wecom_server.messages[0].payload["template_card"]
+    expected = alert.summary_zh if language == "zh" else alert.summary
+    assert card["sub_title_text"] == expected
+
+
 async def test_wecom_long_chinese_markdown_is_truncated_and_accepted(
         wecom_server: FakeWeCom) -> None:
     """A huge Chinese digest is cut below 4096 bytes at a character and the robot accepts it."""

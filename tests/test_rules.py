@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -162,17 +164,67 @@ def test_planned_lr_milestones_follow_the_simulator_schedule() -> None:
         assert got is not None and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-15), step
 
 
-def test_unknown_needs_two_steps_and_yields_to_a_longer_response_explanation() -> None:
-    """Generation slower only because responses got longer is not 'stuck'."""
+def _data_steps(n: int, metrics: Callable[[int], dict[str, float]]) -> list[Any]:
+    """Everything the engine puts out for ``n`` data-layer steps of 20 s, then a flush."""
     engine = Engine()
     state = engine.new_state("r")
     out: list[Any] = []
-    for s in range(80):
-        longer = s >= 60
-        gen, length = (12.0, 2000.0) if longer else (3.0 * (1 + 0.02 * (s % 3)), 500.0)
+    for s in range(n):
         out += engine.process(state, MetricEvent(run_id="r", step=s, ts=1000.0 + 20 * s,
-                                                 layer="data", metrics={
-                                                     "timing_s/gen": gen,
-                                                     "response_length/mean": length}))
-    out += engine.flush(state)
+                                                 layer="data", metrics=metrics(s)))
+    return out + engine.flush(state)
+
+
+def test_unknown_needs_two_steps_and_yields_to_a_longer_response_explanation() -> None:
+    """Generation slower only because responses got longer is not 'stuck'."""
+    def metrics(s: int) -> dict[str, float]:
+        gen, length = (12.0, 2000.0) if s >= 60 else (3.0 * (1 + 0.02 * (s % 3)), 500.0)
+        return {"timing_s/gen": gen, "response_length/mean": length}
+
+    out = _data_steps(80, metrics)
     assert [a for a in out if isinstance(a, AlertEvent)] == []
+
+
+#: English words a Chinese summary may keep: names of systems, units and signals.
+_ZH_KEEP = {"rank", "GPU", "NCCL", "verl", "KL", "softmax", "logits", "NaN", "Inf", "GB",
+            "reward", "hacking", "p95", "I/O", "s", "C"}  # s: seconds, C: °C
+_NUMBER = re.compile(r"(?<![A-Za-z0-9-])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?%?")
+
+
+def _zh_checked(a: AlertEvent) -> None:
+    zh = a.summary_zh
+    assert zh, f"{a.diagnosis}: no Chinese summary for {a.summary!r}"
+    assert zh.startswith(f"{a.diagnosis}："), zh
+    assert re.search(r"[\u4e00-\u9fff]", zh), zh
+    # The same figures as the English summary, none lost or changed.
+    assert sorted(_NUMBER.findall(a.summary)) == sorted(_NUMBER.findall(zh)), (a.summary, zh)
+    # No English sentence left: only signal keys (with / or _) and the names above.
+    body = _NUMBER.sub(" ", zh.split("：", 1)[1])
+    words = [w for w in re.findall(r"[A-Za-z][A-Za-z0-9_/.\[\]=|-]*", body)
+             if "/" not in w and "_" not in w and w not in _ZH_KEEP | {a.host}]
+    assert words == [], (words, zh)
+
+
+@pytest.mark.parametrize("label", FAULT_LABELS)
+def test_every_firing_alert_has_a_chinese_summary_with_the_same_figures(label: str) -> None:
+    alerts = firing(scenario(label)) + firing(scenario(label, seed=11, algorithm="ppo",
+                                                       noise=1.8, ranks=8))
+    assert any(a.diagnosis == label for a in alerts)
+    for a in alerts:
+        _zh_checked(a)
+
+
+def test_the_latency_unknown_has_a_chinese_summary_with_its_hint() -> None:
+    """The latency ``unknown`` with the forward-time hint, and whatever else fires."""
+    def metrics(s: int) -> dict[str, float]:
+        stuck = s >= 60
+        return {"timing_s/gen": 30.0 if stuck else 3.0 * (1 + 0.02 * (s % 3)),
+                "response_length/mean": 500.0,
+                "timing_s/old_log_prob": 4.0 if stuck else 1.0 + 0.01 * (s % 3)}
+
+    out = _data_steps(90, metrics)
+    alerts = [a for a in out if isinstance(a, AlertEvent) and a.status == "firing"]
+    assert any(a.diagnosis == "unknown" and "前向时间也在上升" in (a.summary_zh or "")
+               for a in alerts), [(a.diagnosis, a.summary) for a in alerts]
+    for a in alerts:
+        _zh_checked(a)

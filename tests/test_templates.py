@@ -81,9 +81,12 @@ def test_resolved_alert_says_resolved() -> None:
     assert "Resolved at step 500" in en.text and "RESOLVED" in en.title
 
 
-@pytest.mark.parametrize("reason, zh", [("clear for 3 steps", "连续 3 步正常"),
-                                        ("run finished", "训练已结束"),
-                                        ("attempt 2 started", "attempt 2 started")])
+@pytest.mark.parametrize("reason, zh", [
+    ("clear for 3 steps", "连续 3 步正常"),
+    ("run finished", "训练已结束"),
+    ("no event for 7.0 days; the watchdog stopped watching this run",
+     "已 7.0 天没有任何事件，trainsentry 不再监视这个运行"),
+    ("attempt 2 started", "attempt 2 started")])
 def test_resolved_summary_is_rendered_in_chinese(reason: str, zh: str) -> None:
     """The engine's resolved summary reads in zh (en keeps it); free-text summaries stay."""
     summary = f"nan_loss: resolved at step 71 ({reason}); firing since step 67"
@@ -94,7 +97,27 @@ def test_resolved_summary_is_rendered_in_chinese(reason: str, zh: str) -> None:
     assert summary in render_markdown(alert, language="en").text
     assert "resolved at step" not in render_markdown(alert, language="zh").text
     firing = make_alert()
-    assert summary_text(firing, "zh") == firing.summary  # the rules' free text, verbatim
+    assert summary_text(firing, "zh") == firing.summary  # no Chinese summary: verbatim
+
+
+def test_a_firing_alert_shows_its_chinese_summary_in_zh_and_the_english_one_in_en() -> None:
+    """The engine writes ``summary_zh`` with the same figures; zh messages (markdown, text,
+    WeCom markdown and digests) show it, en keeps ``summary``; it survives the wire."""
+    en = "kl_drift: actor/kl_loss 0.31 and rising for 4 steps (+0.05/step; baseline 0.02)"
+    zh = "kl_drift：actor/kl_loss 为 0.31，已连续 4 步上升（每步 +0.05；基线 0.02）"
+    alert = make_alert(diagnosis="kl_drift", summary=en, summary_zh=zh)
+    assert AlertEvent.from_dict(alert.to_dict()) == alert
+    assert "summary_zh" not in make_alert().to_dict()  # absent when there is none
+    for render in (render_markdown, render_text):
+        text_zh = render(alert, language="zh").text
+        assert zh in text_zh and "rising for" not in text_zh, render
+        assert en in render(alert, language="en").text, render
+    assert zh in render_wecom_markdown(alert, language="zh")
+    assert en in render_wecom_markdown(alert, language="en")
+    digest = [alert, make_alert(run_id="other/run", diagnosis="nan_loss")]
+    assert zh in render_markdown(digest, language="zh").text
+    notice = Notice.of(alert, repeat=2)
+    assert summary_text(notice, "zh") == zh
 
 
 def test_nonfinite_and_missing_evidence_values_render() -> None:

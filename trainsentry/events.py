@@ -268,6 +268,9 @@ class AlertEvent:
     #: Recent ``[step, value]`` points of the evidence signals (value null when non-finite),
     #: so a notifier can draw the chart without asking the service.
     series: dict[str, list[list[Any]]] = field(default_factory=dict)
+    #: ``summary`` in Chinese with the same figures, where the engine wrote one (chat
+    #: messages in zh show it; absent on the wire when there is none).
+    summary_zh: str | None = None
     v: int = SCHEMA_VERSION
 
     kind = "alert"
@@ -303,11 +306,12 @@ class AlertEvent:
             host=_optional(obj, "host", str, what, None),
             rank=None if rank is None else int(rank),
             series=dict(_optional(obj, "series", dict, what, {})),
+            summary_zh=_optional(obj, "summary_zh", str, what, None),
         )
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        for key in ("confidence", "host", "rank"):
+        for key in ("confidence", "host", "rank", "summary_zh"):
             if out[key] is None:
                 del out[key]
         if not out["series"]:

@@ -97,6 +97,10 @@ class _AlertState:
     repeats: int = 0
     severity: str = "warning"
     last_alert_id: str = ""
+    #: Evidence and confidence of the latest alert sent (states pickled before these
+    #: existed lack them: read with getattr).
+    last_evidence: dict[str, Any] = field(default_factory=dict)
+    last_confidence: float = 1.0
 
 
 class RunState:
@@ -243,6 +247,8 @@ class Engine:
             state.last_beat_arrival = state.arrival
             if state.arrival is None:  # offline: event time is the only clock
                 out += self._check_hang(state, ev.ts, source="heartbeat")
+        elif ev.type in ("command_applied", "command_rejected"):
+            out += self._command_outcome(state, ev)
         elif ev.type == "run_finished":
             # Offline the file is in order: finish now. In the stream the run's last steps
             # may still be in flight on other topics: finish once they are joined.
@@ -509,6 +515,7 @@ class Engine:
         know = KNOWLEDGE.get(d.label, KNOWLEDGE["unknown"])
         aid = _alert_id(st.fingerprint, state.attempt, step, status, st.repeats)
         st.last_alert_id = aid
+        st.last_evidence, st.last_confidence = d.evidence, round(d.confidence, 3)
         summary = f"{d.label}: {d.summary}"
         return AlertEvent(
             id=aid, fingerprint=st.fingerprint, run_id=state.run_id, status=status,
@@ -592,9 +599,99 @@ class Engine:
         if action == "checkpoint_then_stop":
             reason += "; save a checkpoint first"
         cid = hashlib.sha1(f"{state.run_id}|{state.attempt}|{step}|{wire_action}".encode()).hexdigest()[:24]
-        return [ControlCommand(id=cid, run_id=state.run_id, action=wire_action, reason=reason,
-                               issued_at=ts, alert_ids=list(dict.fromkeys(state.streak_alert_ids)),
-                               to_step=to_step)]
+        command = ControlCommand(id=cid, run_id=state.run_id, action=wire_action, reason=reason,
+                                 issued_at=ts, alert_ids=list(dict.fromkeys(state.streak_alert_ids)),
+                                 to_step=to_step)
+        lead = next((d for d in critical if d.label == label), None)
+        notice = self._command_notice(state, command, label, lead, step, ts,
+                                      checkpoint_first=action == "checkpoint_then_stop")
+        # What the trainer answers is told too (_command_outcome), once per command.
+        issued = state.__dict__.setdefault("issued", {})
+        issued[cid] = {"label": label, "fingerprint": notice.fingerprint, "action": wire_action,
+                       "to_step": to_step, "evidence": notice.evidence}
+        while len(issued) > 20:
+            del issued[next(iter(issued))]
+        return [command, notice]
+
+    def _command_outcome(self, state: RunState, ev: RunEvent) -> list[Output]:
+        """The trainer applied or rejected a command this engine issued: tell the people,
+        once. A rejection leaves the run going, so it says what to fix."""
+        issued: dict[str, dict[str, Any]] = getattr(state, "issued", None) or {}
+        cid = ev.fields.get("command_id")
+        info = issued.get(cid) if isinstance(cid, str) else None
+        if info is None or info.get("outcome"):
+            return []  # not ours (a forgery, a replay of an old one) or already told
+        applied = ev.type == "command_applied"
+        info["outcome"] = "applied" if applied else "rejected"
+        action = str(ev.fields.get("action") or info["action"])
+        label = str(info["label"])
+        detail = str(ev.fields.get("result" if applied else "reason") or "")[:500]
+        if applied:
+            summary = f"{label}: the trainer applied command {cid} ({action}): {detail}"
+            summary_zh = f"{label}：训练进程已执行命令 {cid}（{action}）：{detail}"
+        else:
+            summary = (f"{label}: the trainer REJECTED command {cid} ({action}): {detail}; the "
+                       "run goes on: check that the trainer and the service share "
+                       "TRAINSENTRY_CONTROL_SECRET and that their clocks agree, or act by hand")
+            summary_zh = (f"{label}：训练进程拒绝了命令 {cid}（{action}）：{detail}；训练仍在继续："
+                          "请确认训练侧与服务使用相同的 TRAINSENTRY_CONTROL_SECRET、两边时钟一致，"
+                          "或手动处理")
+        know = KNOWLEDGE.get(label, KNOWLEDGE["unknown"])
+        fp = str(info["fingerprint"])
+        step = ev.step if ev.step is not None else max(state.last_evaluated, 0)
+        evidence = dict(info.get("evidence") or {})
+        command = {"id": cid, "action": action, "to_step": ev.fields.get("to_step",
+                                                                         info.get("to_step")),
+                   "outcome": info["outcome"], "detail": detail}
+        return [AlertEvent(
+            id=_alert_id(fp, ev.attempt, step, f"{info['outcome']}:{cid}", 0), fingerprint=fp,
+            run_id=state.run_id, status="firing", severity="critical", diagnosis=label,
+            step=step, ts=ev.ts, summary=summary, summary_zh=summary_zh, evidence=evidence,
+            actions=list(know.actions), attempt=ev.attempt, checks=list(know.checks),
+            confidence=1.0, series=self._series(state, evidence), command=command)]
+
+    def _command_notice(self, state: RunState, command: ControlCommand, label: str,
+                        lead: Diagnosis | None, step: int, ts: float, *,
+                        checkpoint_first: bool) -> AlertEvent:
+        """The breaker's order told to the people: an alert of the lead problem (same
+        fingerprint, so chat shows it as that problem's latest notice) carrying the command."""
+        st = next((s for s in state.alerts.values() if s.label == label), None)
+        fp = st.fingerprint if st is not None else _fingerprint(state.run_id, label)
+        n = state.critical_streak
+        if command.action == "rollback":
+            what = (f"roll back to the checkpoint of step {command.to_step}: the trainer stops at "
+                    f"the next step boundary, moves newer checkpoints aside, and "
+                    f"`trainsentry supervise` restarts it from step {command.to_step}")
+            what_zh = (f"回滚到第 {command.to_step} 步的 checkpoint：训练进程在下一个训练步的边界停止，"
+                       f"把更新的 checkpoint 移到一旁，由 `trainsentry supervise` 从第 "
+                       f"{command.to_step} 步重启")
+        elif checkpoint_first:
+            what = "save a checkpoint, then stop the run at the next step boundary"
+            what_zh = "先保存 checkpoint，然后在下一个训练步的边界停止训练"
+        else:
+            what = "stop the run at the next step boundary"
+            what_zh = "在下一个训练步的边界停止训练"
+        fallback = "no healthy checkpoint to roll back to" in command.reason
+        summary = (f"{label}: circuit breaker after {n} consecutive critical steps, command "
+                   f"{command.id}: {what}" + ("; no healthy checkpoint to roll back to, so it "
+                                              "stops instead" if fallback else ""))
+        summary_zh = (f"{label}：连续 {n} 步严重告警，触发熔断，命令 {command.id}：{what_zh}"
+                      + ("；没有可回滚的健康 checkpoint，因此改为停止" if fallback else ""))
+        know = KNOWLEDGE.get(label, KNOWLEDGE["unknown"])
+        if lead is not None:
+            evidence, confidence = lead.evidence, round(lead.confidence, 3)
+        else:  # still firing, not diagnosed again this step: its latest alert's evidence
+            evidence = dict(getattr(st, "last_evidence", None) or {})
+            confidence = float(getattr(st, "last_confidence", 1.0))
+        return AlertEvent(
+            id=_alert_id(fp, state.attempt, step, f"command:{command.id}", 0), fingerprint=fp,
+            run_id=state.run_id, status="firing", severity="critical", diagnosis=label,
+            step=step, ts=ts, summary=summary, summary_zh=summary_zh, evidence=evidence,
+            actions=list(know.actions), attempt=state.attempt, confidence=confidence,
+            checks=list(know.checks), host=lead.host if lead else None,
+            rank=lead.rank if lead else None, series=self._series(state, evidence),
+            command={"id": command.id, "action": command.action, "to_step": command.to_step,
+                     "checkpoint_first": checkpoint_first})
 
     def rollback_target(self, state: RunState) -> int | None:
         """Newest checkpoint saved before the streak's first anomaly, at a step with no

@@ -698,7 +698,10 @@ class AlertBook:
                     plan.records.append(_record(alert, "pending", now, reason=self._for_text()))
                 return
             ep.status = "firing"
-        held = self._suppressed(run, ep, now, silences, acks)
+        # The breaker's order (a stop or a rollback of the run) goes out even when the
+        # problem was acknowledged or is explained by another: only a silence holds it.
+        command = alert.command is not None
+        held = self._suppressed(run, ep, now, silences, acks, command=command)
         if held is not None:
             what, why = held
             if quiet and ep.suppressed == what:
@@ -711,20 +714,27 @@ class AlertBook:
             plan.records.append(_record(alert, what, now, reason=why))
             return
         if not ep.notified:
-            plan.sends.append(Send(run.run_id, ep.fingerprint, "firing", Notice.of(alert)))
+            paged = command and (alert.command or {}).get("outcome") != "applied"
+            plan.sends.append(Send(run.run_id, ep.fingerprint, "firing",
+                                   Notice.of(alert, escalated=paged)))
             plan.notices.append(plan.sends[-1].notice)
             return
         if quiet:
             return
         c = self.config
         if c.repeat_interval_s and ep.notified_at is not None and not upgraded \
-                and now - ep.notified_at < c.repeat_interval_s:
+                and not command and now - ep.notified_at < c.repeat_interval_s:
             plan.records.append(_record(alert, "repeat", now, reason="within repeat_interval"))
             return
         number = ep.repeats + 1
-        escalate = bool(c.escalate_after) and number >= c.escalate_after
+        # A stop or rollback of the run pages the on-call list at once, and so does a
+        # command the trainer refused (the run goes on); that it was applied does not.
+        paged = command and (alert.command or {}).get("outcome") != "applied"
+        escalate = paged or (bool(c.escalate_after) and number >= c.escalate_after)
         plan.sends.append(Send(run.run_id, ep.fingerprint, "repeat",
-                                 Notice.of(alert, escalated=escalate, repeat=number)))
+                                 Notice.of(alert, escalated=escalate,
+                                           # a command notice is news, not a reminder
+                                           repeat=0 if command else number)))
         plan.notices.append(plan.sends[-1].notice)
 
     def _for_text(self) -> str:
@@ -733,14 +743,17 @@ class AlertBook:
         return "waiting for " + " or ".join(p for p in parts if p)
 
     def _suppressed(self, run: RunBook, ep: _Episode, now: float, silences: Sequence[Silence],
-                    acks: Mapping[str, Ack]) -> tuple[str, str] | None:
+                    acks: Mapping[str, Ack], *, command: bool = False) -> tuple[str, str] | None:
         ack = acks.get(ep.fingerprint)
-        if ack is not None and (ack.alert_id in ep.ids or ack.created_at >= ep.since_wall):
+        if not command and ack is not None and (ack.alert_id in ep.ids
+                                                or ack.created_at >= ep.since_wall):
             return "acknowledged", f"acknowledged by {ack.created_by or 'someone'}"
         labels = alert_labels(ep.alert)
         for s in silences:
             if s.active(now) and s.matches(labels):
                 return "silenced", f"silence {s.id}"
+        if command:
+            return None
         source = self._inhibitor(run, ep)
         if source is not None:
             return "inhibited", f"inhibited by {source.diagnosis} ({source.fingerprint})"

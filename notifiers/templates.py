@@ -181,6 +181,80 @@ def summary_text(alert: AlertEvent, language: str = "zh") -> str:
     return f"{m['label']}：已于第 {m['step']} 步恢复（{reason}）；自第 {m['since']} 步起告警"
 
 
+_COMMAND_TAGS = {None: {"zh": "⛔ 熔断", "en": "⛔ BREAKER"},
+                 "applied": {"zh": "✅ 命令已执行", "en": "✅ COMMAND APPLIED"},
+                 "rejected": {"zh": "❌ 命令被拒绝", "en": "❌ COMMAND REJECTED"}}
+
+
+def _command_tag(alert: AlertEvent, lang: str) -> str:
+    """The title / digest tag of a notice that carries a command, else ``""``."""
+    if not alert.command:
+        return ""
+    return _COMMAND_TAGS.get(alert.command.get("outcome"), _COMMAND_TAGS[None])[lang]
+
+
+def command_text(alert: AlertEvent, language: str = "zh") -> str:
+    """What the circuit breaker ordered, for a notice that carries a command (else ``""``):
+    what happens to the run and whether it was sent (:func:`undo_text`: how to undo it).
+
+    >>> a = AlertEvent(id="x", fingerprint="f", run_id="r", status="firing",
+    ...                severity="critical", diagnosis="nan_loss", step=52, ts=0.0, summary="",
+    ...                evidence={}, actions=[], command={"id": "c1", "action": "rollback",
+    ...                                                  "to_step": 40, "sent": True})
+    >>> command_text(a, "en")[:60]
+    '⛔ Circuit breaker: a signed command c1 (roll back to step 40'
+    """
+    c = alert.command
+    if not c:
+        return ""
+    lang = _lang(language)
+    action, to = c.get("action"), c.get("to_step")
+    if action == "rollback":
+        what = f"回滚到第 {to} 步" if lang == "zh" else f"roll back to step {to}"
+    elif c.get("checkpoint_first"):
+        what = "先保存 checkpoint 再停止" if lang == "zh" else "save a checkpoint, then stop"
+    else:
+        what = "停止训练" if lang == "zh" else "stop the run"
+    cid = c.get("id", "?")
+    outcome = c.get("outcome")
+    if outcome == "applied":
+        if lang == "zh":
+            return f"✅ 训练进程已执行命令 {cid}（{what}）"
+        return f"✅ The trainer applied command {cid} ({what})"
+    if outcome == "rejected":
+        if lang == "zh":
+            return (f"❌ 训练进程拒绝了命令 {cid}（{what}），训练仍在继续：请确认训练侧与服务使用相同的 "
+                    "TRAINSENTRY_CONTROL_SECRET、两边时钟一致，或手动处理这个运行")
+        return (f"❌ The trainer REJECTED command {cid} ({what}) and the run goes on: check that "
+                "the trainer and the service share TRAINSENTRY_CONTROL_SECRET and that their "
+                "clocks agree, or act on the run by hand")
+    if c.get("sent") is True:
+        if lang == "zh":
+            return (f"⛔ 熔断：已向训练进程下发签名命令 {cid}（{what}），它会在下一个训练步的边界执行，"
+                    "并上报 command_applied（看板可见）")
+        return (f"⛔ Circuit breaker: a signed command {cid} ({what}) was sent to the trainer; it "
+                "acts at the next step boundary and reports command_applied (dashboard)")
+    if c.get("sent") is False:
+        if lang == "zh":
+            return (f"⛔ 熔断：命令 {cid}（{what}）没有下发，因为服务没有设置 "
+                    "TRAINSENTRY_CONTROL_SECRET：请手动处理这个运行")
+        return (f"⛔ Circuit breaker: command {cid} ({what}) was NOT sent, because "
+                "TRAINSENTRY_CONTROL_SECRET is not set on the service: act on the run by hand")
+    return f"⛔ 熔断：{what}（命令 {cid}）" if lang == "zh" else f"⛔ Circuit breaker: {what} (command {cid})"
+
+
+def undo_text(alert: AlertEvent, language: str = "zh") -> str:
+    """How to undo a rollback that was sent or applied (else ``""``)."""
+    c = alert.command or {}
+    if c.get("action") != "rollback" or not (c.get("sent") is True or c.get("outcome") == "applied"):
+        return ""
+    if _lang(language) == "zh":
+        return ("撤销回滚：把移到一旁的 global_step_* 目录移回，并改回 latest_checkpointed_iteration.txt"
+                "（trainsentry 文档 verl.md「Undoing a rollback」）")
+    return ("To undo the rollback, move the global_step_* folders set aside back and restore "
+            "latest_checkpointed_iteration.txt (trainsentry docs, verl.md, \"Undoing a rollback\")")
+
+
 def notice_badge(alerts: AlertEvent | Sequence[AlertEvent], language: str = "zh", *,
                  icons: bool = False) -> str:
     """``第 2 次提醒 · 已升级`` / ``repeat 2 · escalated`` for a repeated or escalated notice,
@@ -279,7 +353,9 @@ def render_title(alerts: AlertEvent | Sequence[AlertEvent], *, language: str = "
     if len(seq) == 1:
         a = seq[0]
         badge = notice_badge(a, lang)
-        return (f"[trainsentry] {severity_name(a, lang)} {a.diagnosis} · {a.run_id}"
+        tag = _command_tag(a, lang)
+        breaker = f"{tag} · " if tag else ""
+        return (f"[trainsentry] {breaker}{severity_name(a, lang)} {a.diagnosis} · {a.run_id}"
                 + (f" · {badge}" if badge else ""))
     # A digest's title tells only that someone is being paged; its lines tell the repeats.
     tail = f" · {_w('escalated', lang)}" if _repeat_info(seq)[1] else ""
@@ -313,6 +389,10 @@ def _single_lines(a: AlertEvent, lang: str, f: _Fmt, *, heading: bool = True) ->
     if a.status == "resolved":
         lines.append(f"{_RESOLVED['icon']} " + f.bold(_w("resolved_at", lang, step=a.step,
                                                          time=_when(a.ts))))
+    if a.command:
+        lines.append(f.bold(command_text(a, lang)))
+        if undo := undo_text(a, lang):
+            lines.append(undo)
     if a.summary:
         lines.append(f"{f.bold(_w('summary', lang))}: {summary_text(a, lang)}")
     if a.evidence:
@@ -360,6 +440,8 @@ def _digest_lines(seq: list[AlertEvent], lang: str, f: _Fmt) -> list[str]:
             badge = notice_badge(group, lang, icons=True)
             if badge:
                 line += f" · {badge}"
+            if last.command:
+                line += f" · {_command_tag(last, lang)}"
             if last.summary:
                 line += f" — {summary_text(last, lang)}"
             lines.append(line)

@@ -114,6 +114,7 @@ class Pipeline:
         return self.encode(state.run_id, self.engine.tick(state, now))
 
     def encode(self, run_id: str, outputs: list[Output]) -> Outcome:
+        outputs = [self._sent_or_not(o) for o in outputs]
         out = Outcome(run_id=run_id, outputs=outputs, state_changed=True)
         key = run_id.encode()
         for o in outputs:
@@ -129,3 +130,18 @@ class Pipeline:
                 signed = sign_command(replace(o, issued_at=self._clock()), self._secret.get())
                 out.records.append(Record(self.topics.control, key, dumps(signed)))
         return out
+
+    def _sent_or_not(self, o: Output) -> Output:
+        """A breaker notice says whether its command really went to the trainer."""
+        if not isinstance(o, AlertEvent) or o.command is None or "sent" in o.command \
+                or "outcome" in o.command:  # the trainer's answer: nothing was sent now
+            return o
+        sent = bool(self._secret)
+        if sent:
+            return replace(o, command={**o.command, "sent": True})
+        return replace(
+            o, command={**o.command, "sent": False},
+            summary=o.summary + "; NOT SENT: TRAINSENTRY_CONTROL_SECRET is not set on the "
+                                "service, so act on the run by hand",
+            summary_zh=(o.summary_zh or o.summary) + "；未下发：服务没有设置 "
+                                                     "TRAINSENTRY_CONTROL_SECRET，请手动处理这个运行")

@@ -141,6 +141,56 @@ def test_nan_loss_trips_the_breaker_after_three_steps_with_rollback_to_healthy_c
     cmd = commands[0]
     assert cmd.action == "rollback" and cmd.to_step == 40  # 51 was saved during the streak
     assert alerts[0].id in cmd.alert_ids and "nan_loss" in cmd.reason
+    # ...and a notice of the lead problem that carries it, right after it.
+    (notice,) = [a for a in alerts if a.command is not None]
+    assert out.index(notice) == out.index(cmd) + 1
+    assert notice.command == {"id": cmd.id, "action": "rollback", "to_step": 40,
+                              "checkpoint_first": False}
+    assert notice.fingerprint == alerts[0].fingerprint and notice.id != alerts[0].id
+    assert notice.severity == "critical" and notice.step == 52  # the third critical step
+    assert notice.evidence and "actor/pg_loss" in notice.evidence
+    assert "roll back to the checkpoint of step 40" in notice.summary
+    assert notice.summary_zh and "回滚到第 40 步" in notice.summary_zh
+    assert notice.id not in cmd.alert_ids
+
+
+@pytest.mark.parametrize("answer, words", [
+    ("command_applied", "the trainer applied command"),
+    ("command_rejected", "the trainer REJECTED command"),
+])
+def test_the_trainers_answer_to_a_command_is_told_once(answer: str, words: str) -> None:
+    """command_applied / command_rejected of a command this engine issued: one notice of the
+    same problem; a second answer, or one about a command we never issued, says nothing."""
+    rng = random.Random(4)
+    events: list[MetricEvent | RunEvent] = []
+    for s in range(56):
+        events += _step_events("r", s, 1000.0 + 20 * s, loss=math.nan if s >= 50 else 0.1, rng=rng)
+    engine = Engine()
+    state = engine.new_state("r")
+    out: list = []
+    for ev in events:
+        out += engine.process(state, ev)
+    (cmd,) = [c for c in out if isinstance(c, ControlCommand)]
+    field = "result" if answer == "command_applied" else "reason"
+
+    def reply(cid: str, attempt: int = 0) -> list:
+        return engine.process(state, RunEvent(run_id="r", type=answer, ts=2200.0, step=55,
+                                              attempt=attempt, fields={
+                                                  "command_id": cid, "action": "stop",
+                                                  field: "stopped at step 55"}))
+
+    assert reply("not-ours") == []
+    (told,) = reply(cmd.id)
+    assert isinstance(told, AlertEvent) and told.diagnosis == "nan_loss"
+    assert told.command == {"id": cmd.id, "action": "stop", "to_step": None,
+                            "outcome": answer.split("_")[1], "detail": "stopped at step 55"}
+    assert words in told.summary and "stopped at step 55" in told.summary
+    assert told.summary_zh and ("已执行" if answer == "command_applied" else "拒绝") in told.summary_zh
+    assert told.evidence and told.fingerprint == next(
+        a for a in out if isinstance(a, AlertEvent)).fingerprint
+    if answer == "command_rejected":
+        assert "TRAINSENTRY_CONTROL_SECRET" in told.summary
+    assert reply(cmd.id) == [] and reply(cmd.id, attempt=1) == []  # told once
 
 
 def test_breaker_threshold_is_configurable_and_fires_once_per_streak() -> None:
@@ -153,6 +203,10 @@ def test_breaker_threshold_is_configurable_and_fires_once_per_streak() -> None:
     commands = [c for c in out if isinstance(c, ControlCommand)]
     assert len(commands) == 1 and commands[0].action == "stop"  # no checkpoint: stop
     assert "no healthy checkpoint" in commands[0].reason
+    (notice,) = [a for a in out if isinstance(a, AlertEvent) and a.command]
+    assert notice.command["action"] == "stop"
+    assert "circuit breaker after 5 consecutive critical steps" in notice.summary
+    assert "stops instead" in notice.summary and "改为停止" in (notice.summary_zh or "")
 
 
 def test_alert_resolves_after_the_hold_and_ids_are_deterministic() -> None:

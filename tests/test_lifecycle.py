@@ -438,3 +438,54 @@ def test_a_fresh_book_after_retirement_notifies_the_next_problem() -> None:
 def test_book_retention_must_be_positive(bad: float) -> None:
     with pytest.raises(ConfigError, match="TRAINSENTRY_ALERT_BOOK_RETENTION_S"):
         LifecycleConfig(book_retention_s=bad)
+
+
+# ------------------------------------------------------------------------------ breaker notices
+
+def _order(step: int = 12, diagnosis: str = "nan_loss", **kw: Any) -> AlertEvent:
+    """The engine's notice of a breaker command: an alert of the lead problem with ``command``."""
+    return alert(diagnosis, step=step, n=99,
+                 command={"id": "cmd1", "action": "rollback", "to_step": 5, "sent": True}, **kw)
+
+
+def test_a_breaker_notice_goes_out_at_once_escalated_even_when_acknowledged() -> None:
+    b = book(repeat_interval_s=3600.0, escalate_after=0)
+    run_through(b, [alert(step=10)], now=100.0)  # notified
+    fp = f"fp:{RUN}:nan_loss"
+    acks = {fp: Ack(fingerprint=fp, run_id=RUN, alert_id=f"{RUN}|nan_loss|10|firing|0",
+                    created_at=110.0, created_by="alice")}
+    plan, records = run_through(b, [alert(step=11, n=1)], now=120.0, acks=acks)
+    assert plan.notices == []  # acknowledged and within the repeat interval: held
+    plan, records = run_through(b, [_order()], now=130.0, acks=acks)
+    assert [(n.command or {}).get("id") for n in plan.notices] == ["cmd1"]
+    assert plan.notices[0].escalated and transitions(records) == [("escalated", True)]
+
+
+def test_a_breaker_notice_is_sent_even_when_its_problem_is_inhibited() -> None:
+    b = book()
+    plan, _ = run_through(b, [alert("nan_loss"), alert("gradient_instability",
+                                                        severity="warning")])
+    assert [n.diagnosis for n in plan.notices] == ["nan_loss"]
+    plan, _ = run_through(b, [_order(diagnosis="gradient_instability")], now=150.0)
+    assert [n.diagnosis for n in plan.notices] == ["gradient_instability"]
+    assert plan.notices[0].command is not None
+
+
+def test_a_silence_holds_a_breaker_notice_and_a_first_notice_is_escalated() -> None:
+    b = book()
+    plan, records = run_through(b, [_order()], silences=[silence(f"run_id={RUN}")])
+    assert plan.notices == [] and transitions(records) == [("silenced", False)]
+    other = book()
+    plan, records = run_through(other, [_order()])  # no earlier notice of the problem
+    assert len(plan.notices) == 1 and plan.notices[0].escalated
+    assert transitions(records) == [("firing", True)]
+
+
+@pytest.mark.parametrize("outcome, paged", [("applied", False), ("rejected", True)])
+def test_the_trainers_answer_is_sent_and_pages_only_when_refused(outcome: str,
+                                                                  paged: bool) -> None:
+    b = book(repeat_interval_s=3600.0, escalate_after=0)
+    run_through(b, [alert(step=10)], now=100.0)
+    answer = alert(step=13, n=98, command={"id": "cmd1", "action": "stop", "outcome": outcome})
+    plan, records = run_through(b, [answer], now=110.0)  # within the repeat interval
+    assert len(plan.notices) == 1 and plan.notices[0].escalated is paged

@@ -10,7 +10,7 @@ from detectors.engine import Engine
 from stream_app.pipeline import Pipeline, dump_state, load_state
 from trainsentry.config import Secret, Topics
 from trainsentry.errors import EventError
-from trainsentry.events import ControlCommand
+from trainsentry.events import AlertEvent, ControlCommand
 from trainsentry.signing import verify_command
 
 TOPICS = Topics("trainsentry.")
@@ -69,3 +69,26 @@ def test_no_secret_means_no_command_is_published() -> None:
     p = Pipeline(engine=Engine(), topics=TOPICS, control_secret=Secret(""))
     cmd = ControlCommand(id="c", run_id="r", action="stop", reason="x", issued_at=1.0)
     assert p.encode("r", [cmd]).records == []
+
+
+def _notice(**command: object) -> AlertEvent:
+    return AlertEvent(id="n", fingerprint="f", run_id="r", status="firing", severity="critical",
+                      diagnosis="nan_loss", step=52, ts=1.0, summary="nan_loss: breaker",
+                      summary_zh="nan_loss：熔断", evidence={}, actions=[],
+                      command={"id": "c", "action": "stop", "to_step": None, **command})
+
+
+@pytest.mark.parametrize("secret", ["k", ""])
+def test_a_breaker_notice_says_whether_its_command_was_sent(secret: str) -> None:
+    """With a control secret the notice is marked sent; without, it says so and what to do."""
+    cmd = ControlCommand(id="c", run_id="r", action="stop", reason="x", issued_at=1.0)
+    outcome = _pipeline(secret).encode("r", [cmd, _notice()])
+    alerts = [json.loads(r.value) for r in outcome.records if r.topic == TOPICS.alerts]
+    assert len(alerts) == 1 and alerts[0]["command"]["sent"] is bool(secret)
+    assert outcome.outputs[1].command["sent"] is bool(secret)  # what the dashboard records
+    if secret:
+        assert alerts[0]["summary"] == "nan_loss: breaker"
+    else:
+        assert "NOT SENT: TRAINSENTRY_CONTROL_SECRET is not set" in alerts[0]["summary"]
+        assert "未下发" in alerts[0]["summary_zh"]
+        assert [r.topic for r in outcome.records] == [TOPICS.alerts]

@@ -49,7 +49,8 @@ def test_rollback_loop_resumes_from_the_healthy_checkpoint_within_seconds(
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "60"
         reports = list(ckpt.glob("trainsentry_diagnosis_*.json"))
         assert reports, "the supervisor writes a diagnosis report next to the checkpoints"
-        consumer = KafkaConsumer(topics.control, topics.runs, bootstrap_servers=kafka_bootstrap,
+        consumer = KafkaConsumer(topics.control, topics.runs, topics.alerts,
+                                 bootstrap_servers=kafka_bootstrap,
                                  auto_offset_reset="earliest", consumer_timeout_ms=3000)
         records = [(r.topic, json.loads(r.value)) for r in consumer]
         consumer.close()
@@ -58,6 +59,19 @@ def test_rollback_loop_resumes_from_the_healthy_checkpoint_within_seconds(
         assert commands[0]["to_step"] == 30 and "nan_loss" in commands[0]["reason"]
         applied = [v for t, v in records if t == topics.runs and v["type"] == "command_applied"]
         assert applied and applied[0]["command_id"] == commands[0]["id"]
+        # The people are told: a notice of the lead problem carrying the command, marked
+        # sent, then the trainer's answer.
+        notices = [v for t, v in records if t == topics.alerts and v.get("command")]
+        assert len(notices) == 2, notices
+        assert notices[0]["command"] == {"id": commands[0]["id"], "action": "rollback",
+                                         "to_step": 30, "checkpoint_first": False, "sent": True}
+        assert notices[0]["diagnosis"] == "nan_loss" and notices[0]["evidence"]
+        assert "回滚到第 30 步" in notices[0]["summary_zh"]
+        answer = notices[1]["command"]
+        assert (answer["id"], answer["outcome"], answer["to_step"]) == (
+            commands[0]["id"], "applied", 30)
+        assert "rolled back to step 30" in answer["detail"]
+        assert notices[1]["fingerprint"] == notices[0]["fingerprint"]
         restart_delay = starts[1]["ts"] - commands[0]["issued_at"]
         print(f"command issued → trainer resumed in {restart_delay:.1f}s")
         # Typically 3-6 s (the trainer re-imports verl); not a speed target (those live in

@@ -11,6 +11,7 @@ from notifiers.lifecycle import Notice
 from notifiers.templates import (
     LABEL_NAMES,
     WECOM_MARKDOWN_MAX_BYTES,
+    command_text,
     label_name,
     more_line,
     notice_badge,
@@ -322,3 +323,59 @@ def test_every_label_has_chinese_knowledge_parallel_to_the_english() -> None:
             assert seen.setdefault(src, dst) == dst, (label, src)
     assert localize(list(KNOWLEDGE["nan_loss"].actions), "zh") == list(KNOWLEDGE_ZH["nan_loss"].actions)
     assert knowledge("not_a_label", "zh") == KNOWLEDGE_ZH["unknown"]
+
+
+def _breaker_notice(sent: bool | None, action: str = "rollback") -> AlertEvent:
+    command = {"id": "c0ffee", "action": action, "to_step": 40 if action == "rollback" else None,
+               "checkpoint_first": action == "checkpoint"}
+    if sent is not None:
+        command["sent"] = sent
+    return make_alert(diagnosis="nan_loss", severity="critical", step=52,
+                      command={**command, "action": "stop" if action == "checkpoint" else action})
+
+
+@pytest.mark.parametrize("sent, zh, en", [
+    (True, "已向训练进程下发签名命令 c0ffee（回滚到第 40 步）",
+     "a signed command c0ffee (roll back to step 40) was sent to the trainer"),
+    (False, "命令 c0ffee（回滚到第 40 步）没有下发，因为服务没有设置 TRAINSENTRY_CONTROL_SECRET",
+     "command c0ffee (roll back to step 40) was NOT sent, because TRAINSENTRY_CONTROL_SECRET"),
+    (None, "熔断：回滚到第 40 步（命令 c0ffee）", "Circuit breaker: roll back to step 40 (command c0ffee)"),
+])
+def test_a_breaker_notice_says_what_happens_to_the_run_in_both_languages(
+        sent: bool | None, zh: str, en: str) -> None:
+    alert = _breaker_notice(sent)
+    text_zh, text_en = render_markdown(alert, language="zh"), render_markdown(alert, language="en")
+    assert zh in text_zh.text and en in text_en.text
+    assert text_zh.title.startswith("[trainsentry] ⛔ 熔断 · 严重 nan_loss")
+    assert text_en.title.startswith("[trainsentry] ⛔ BREAKER · CRITICAL nan_loss")
+    # How to undo a rollback is told once it was really sent.
+    assert ("撤销回滚：把移到一旁的 global_step_* 目录移回" in text_zh.text) is (sent is True)
+    assert ("To undo the rollback" in text_en.text) is (sent is True)
+    assert "⛔ 熔断" in render_markdown([alert, make_alert(run_id="x/y")], language="zh").text
+
+
+@pytest.mark.parametrize("action, zh, en", [("stop", "停止训练", "stop the run"),
+                                            ("checkpoint", "先保存 checkpoint 再停止",
+                                             "save a checkpoint, then stop")])
+def test_a_stop_notice_names_the_stop_and_no_undo(action: str, zh: str, en: str) -> None:
+    alert = _breaker_notice(True, action)
+    assert zh in command_text(alert, "zh") and en in command_text(alert, "en")
+    assert "撤销" not in command_text(alert, "zh") and "undo" not in command_text(alert, "en")
+    assert command_text(make_alert(), "zh") == ""
+
+
+@pytest.mark.parametrize("outcome, zh, en, title_zh", [
+    ("applied", "✅ 训练进程已执行命令 c0ffee（回滚到第 40 步）",
+     "✅ The trainer applied command c0ffee (roll back to step 40)", "✅ 命令已执行"),
+    ("rejected", "❌ 训练进程拒绝了命令 c0ffee（回滚到第 40 步），训练仍在继续",
+     "❌ The trainer REJECTED command c0ffee (roll back to step 40) and the run goes on",
+     "❌ 命令被拒绝"),
+])
+def test_the_trainers_answer_reads_in_both_languages(outcome: str, zh: str, en: str,
+                                                     title_zh: str) -> None:
+    alert = make_alert(diagnosis="nan_loss", command={"id": "c0ffee", "action": "rollback",
+                                                      "to_step": 40, "outcome": outcome})
+    assert zh in render_markdown(alert, language="zh").text
+    assert en in render_markdown(alert, language="en").text
+    assert render_title(alert, language="zh").startswith(f"[trainsentry] {title_zh} · ")
+    assert ("撤销回滚" in render_markdown(alert, language="zh").text) is (outcome == "applied")

@@ -271,6 +271,10 @@ class AlertEvent:
     #: ``summary`` in Chinese with the same figures, where the engine wrote one (chat
     #: messages in zh show it; absent on the wire when there is none).
     summary_zh: str | None = None
+    #: The circuit breaker's order this notice announces: ``id`` (the ControlCommand's),
+    #: ``action`` (stop, rollback), ``to_step``, ``checkpoint_first`` and, from the stream
+    #: app, ``sent`` (False: no control secret, nothing went to the trainer).
+    command: dict[str, Any] | None = None
     v: int = SCHEMA_VERSION
 
     kind = "alert"
@@ -307,11 +311,12 @@ class AlertEvent:
             rank=None if rank is None else int(rank),
             series=dict(_optional(obj, "series", dict, what, {})),
             summary_zh=_optional(obj, "summary_zh", str, what, None),
+            command=_optional(obj, "command", dict, what, None),
         )
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        for key in ("confidence", "host", "rank", "summary_zh"):
+        for key in ("confidence", "host", "rank", "summary_zh", "command"):
             if out[key] is None:
                 del out[key]
         if not out["series"]:

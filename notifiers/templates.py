@@ -207,40 +207,35 @@ def command_text(alert: AlertEvent, language: str = "zh") -> str:
     c = alert.command
     if not c:
         return ""
-    lang = _lang(language)
-    action, to = c.get("action"), c.get("to_step")
+    action, to, cid = c.get("action"), c.get("to_step"), c.get("id", "?")
     if action == "rollback":
-        what = f"回滚到第 {to} 步" if lang == "zh" else f"roll back to step {to}"
+        zh, en = f"回滚到第 {to} 步", f"roll back to step {to}"
     elif c.get("checkpoint_first"):
-        what = "先保存 checkpoint 再停止" if lang == "zh" else "save a checkpoint, then stop"
+        zh, en = "先保存 checkpoint 再停止", "save a checkpoint, then stop"
     else:
-        what = "停止训练" if lang == "zh" else "stop the run"
-    cid = c.get("id", "?")
-    outcome = c.get("outcome")
-    if outcome == "applied":
-        if lang == "zh":
-            return f"✅ 训练进程已执行命令 {cid}（{what}）"
-        return f"✅ The trainer applied command {cid} ({what})"
-    if outcome == "rejected":
-        if lang == "zh":
-            return (f"❌ 训练进程拒绝了命令 {cid}（{what}），训练仍在继续：请确认训练侧与服务使用相同的 "
-                    "TRAINSENTRY_CONTROL_SECRET、两边时钟一致，或手动处理这个运行")
-        return (f"❌ The trainer REJECTED command {cid} ({what}) and the run goes on: check that "
-                "the trainer and the service share TRAINSENTRY_CONTROL_SECRET and that their "
-                "clocks agree, or act on the run by hand")
-    if c.get("sent") is True:
-        if lang == "zh":
-            return (f"⛔ 熔断：已向训练进程下发签名命令 {cid}（{what}），它会在下一个训练步的边界执行，"
-                    "并上报 command_applied（看板可见）")
-        return (f"⛔ Circuit breaker: a signed command {cid} ({what}) was sent to the trainer; it "
-                "acts at the next step boundary and reports command_applied (dashboard)")
-    if c.get("sent") is False:
-        if lang == "zh":
-            return (f"⛔ 熔断：命令 {cid}（{what}）没有下发，因为服务没有设置 "
-                    "TRAINSENTRY_CONTROL_SECRET：请手动处理这个运行")
-        return (f"⛔ Circuit breaker: command {cid} ({what}) was NOT sent, because "
-                "TRAINSENTRY_CONTROL_SECRET is not set on the service: act on the run by hand")
-    return f"⛔ 熔断：{what}（命令 {cid}）" if lang == "zh" else f"⛔ Circuit breaker: {what} (command {cid})"
+        zh, en = "停止训练", "stop the run"
+    sent = c.get("sent")
+    key = c.get("outcome") or ("sent" if sent is True else "unsent" if sent is False else "ordered")
+    texts = {
+        "applied": (f"✅ 训练进程已执行命令 {cid}（{zh}）",
+                    f"✅ The trainer applied command {cid} ({en})"),
+        "rejected": (f"❌ 训练进程拒绝了命令 {cid}（{zh}），训练仍在继续：请确认训练侧与服务使用相同的 "
+                     "TRAINSENTRY_CONTROL_SECRET、两边时钟一致，或手动处理这个运行",
+                     f"❌ The trainer REJECTED command {cid} ({en}) and the run goes on: check "
+                     "that the trainer and the service share TRAINSENTRY_CONTROL_SECRET and that "
+                     "their clocks agree, or act on the run by hand"),
+        "sent": (f"⛔ 熔断：已向训练进程下发签名命令 {cid}（{zh}），它会在下一个训练步的边界执行，"
+                 "并上报 command_applied（看板可见）",
+                 f"⛔ Circuit breaker: a signed command {cid} ({en}) was sent to the trainer; it "
+                 "acts at the next step boundary and reports command_applied (dashboard)"),
+        "unsent": (f"⛔ 熔断：命令 {cid}（{zh}）没有下发，因为服务没有设置 "
+                   "TRAINSENTRY_CONTROL_SECRET：请手动处理这个运行",
+                   f"⛔ Circuit breaker: command {cid} ({en}) was NOT sent, because "
+                   "TRAINSENTRY_CONTROL_SECRET is not set on the service: act on the run by hand"),
+        "ordered": (f"⛔ 熔断：{zh}（命令 {cid}）", f"⛔ Circuit breaker: {en} (command {cid})"),
+    }
+    zh_text, en_text = texts.get(key, texts["ordered"])
+    return zh_text if _lang(language) == "zh" else en_text
 
 
 def undo_text(alert: AlertEvent, language: str = "zh") -> str:

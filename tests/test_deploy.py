@@ -29,7 +29,7 @@ REQUIRED_ALERTS = {
     "VerlStepTimeP95High", "VerlActorGpuMemoryHigh", "VerlRolloutSuccessLow", "VerlKlOutOfRange",
     "TrainsentryConsumerLagHigh", "TrainsentryDeadLettersIncreasing",
     "TrainsentryWebhookFailures", "TrainsentryWebhookConfigError", "TrainsentryNoEvents",
-    "TrainsentryDown",
+    "TrainsentryDown", "TrainsentryCommandsRejected",
 }
 _SUFFIXES = ("_bucket", "_sum", "_count")
 

@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from detectors.engine import Engine, EngineConfig, RunState
-from stream_app.offsets import OffsetGuard, install_commit_fix, seek_stalled, start_offset
+from stream_app.offsets import (
+    OffsetGuard,
+    RecoveryWatch,
+    install_commit_fix,
+    recovery_progress,
+    seek_stalled,
+    start_offset,
+)
 from stream_app.pipeline import Outcome, Pipeline, Record, dump_state, load_state
 from trainsentry.config import Settings
 from trainsentry.errors import EventError
@@ -373,6 +380,15 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
         await seek_stalled(app.consumer, guard,
                            ((tp, tp) for tp in assignment if tp.topic in source_topics), seek)
 
+    watch = RecoveryWatch(float(settings.recovery_stall_s))
+
+    @app.timer(interval=5.0, name="trainsentry.recovery_watch")  # type: ignore[untyped-decorator]
+    async def recovery_watch() -> None:
+        stuck = watch.observe(time.monotonic(), recovering=bool(app.rebalancing),
+                              progress=recovery_progress(app))
+        if stuck is not None and not svc.extra.get("exit_code"):
+            stop_stalled_worker(svc, stuck, settings.recovery_stall_s)
+
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]
     async def on_revoked(app_: Any, revoked: Any, **_: Any) -> None:
         # The cache is only valid for partitions we own; the table is the truth.
@@ -397,6 +413,32 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
 
     install_views(app, svc=svc, settings=settings, run_table=run_table)
     return app
+
+
+#: Exit code of a worker that stopped itself because its table recovery stalled.
+RECOVERY_STALL_EXIT = 70
+
+
+def stop_stalled_worker(svc: ServiceState, stuck_s: float, limit_s: int, *,
+                        kill: Callable[[int, int], None] | None = None,
+                        force_after_s: float = 60.0) -> None:
+    """Stop this worker (SIGTERM, as an operator would; forced exit if that hangs) with
+    :data:`RECOVERY_STALL_EXIT`, so its supervisor starts a fresh one that recovers."""
+    import os
+    import signal
+    import threading
+
+    log.error("table recovery has made no progress for %.0fs (a known faust-streaming stall, "
+              "logged as 'No event received for active tp'): stopping this worker with exit "
+              "code %d so its supervisor starts a fresh one; nothing is lost (uncommitted "
+              "records are read again, state comes back from the changelogs). "
+              "TRAINSENTRY_RECOVERY_STALL_S=%d", stuck_s, RECOVERY_STALL_EXIT, limit_s)
+    svc.extra["exit_code"] = RECOVERY_STALL_EXIT
+    svc.extra["recovery_stall_exits"] = svc.extra.get("recovery_stall_exits", 0) + 1
+    timer = threading.Timer(force_after_s, os._exit, (RECOVERY_STALL_EXIT,))
+    timer.daemon = True
+    timer.start()
+    (kill or os.kill)(os.getpid(), signal.SIGTERM)
 
 
 def _run_state_table(app: Any, *, partitions: int, schema: Any, known: dict[bytes, int]) -> Any:

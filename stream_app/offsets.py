@@ -6,6 +6,9 @@
 - :func:`install_commit_fix`: Faust's commit check lets a commit pass a record that was
   never acked when acks come out of order (see :func:`new_offset`). The detect agent
   acks out of order on purpose (a run's records stay un-acked until its state is written).
+- :class:`RecoveryWatch`: a table recovery that stops making progress (Faust waits for
+  changelog events that never come) is told apart from a slow one, so the worker can be
+  replaced instead of staying not-ready for good.
 
 Pure bookkeeping apart from :func:`start_offset` and :func:`install_commit_fix`, which
 touch Faust's consumer (faust-streaming is pinned; docs/operations.md).
@@ -18,7 +21,8 @@ import time
 from collections.abc import Awaitable, Callable, Hashable, Iterable, MutableMapping
 from typing import Any
 
-__all__ = ["OffsetGuard", "STALL_S", "start_offset", "highwater", "seek_stalled", "new_offset",
+__all__ = ["OffsetGuard", "STALL_S", "RecoveryWatch", "recovery_progress", "start_offset",
+           "highwater", "seek_stalled", "new_offset",
            "install_commit_fix"]
 
 log = logging.getLogger(__name__)
@@ -248,3 +252,46 @@ def install_commit_fix(app: Any) -> None:
             return offset
 
     transport.Consumer = Consumer
+
+
+class RecoveryWatch:
+    """Tells a table recovery that has made no progress for ``limit_s`` seconds.
+
+    Why: faust-streaming can wait forever for changelog events of an active partition
+    that never arrive ("No event received for active tp … since recovery start",
+    faust-streaming#74, robinhood/faust#218). The worker is then not ready for good; a
+    fresh process recovers. Progress is the sum of the recovery's read offsets: a slow
+    recovery of a big changelog keeps moving and is left alone.
+
+    >>> w = RecoveryWatch(60.0)
+    >>> w.observe(0.0, recovering=True, progress=10), w.observe(59.0, recovering=True, progress=10)
+    (None, None)
+    >>> w.observe(60.0, recovering=True, progress=10)
+    60.0
+    >>> w.observe(70.0, recovering=True, progress=11)  # moved: the clock starts over
+    """
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self._since: float | None = None
+        self._progress: int | None = None
+
+    def observe(self, now: float, *, recovering: bool, progress: int | None) -> float | None:
+        """Seconds without progress once they reach ``limit_s`` while recovering, else None."""
+        if not recovering or self.limit_s <= 0:
+            self._since = self._progress = None
+            return None
+        if self._since is None or progress != self._progress:
+            self._since, self._progress = now, progress
+            return None
+        stuck = now - self._since
+        return stuck if stuck >= self.limit_s else None
+
+
+def recovery_progress(app: Any) -> int:
+    """Sum of the offsets Faust's table recovery has read (active and standby)."""
+    recovery = app.tables.recovery
+    total = 0
+    for offsets in (recovery.active_offsets, recovery.standby_offsets):
+        total += sum(int(v) for v in offsets.values() if v is not None)
+    return total

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import tempfile
 from dataclasses import replace
+from typing import Any
 
 from detectors.catalog import load_catalog
 from stream_app.app import build_app, engine_config_for
@@ -83,5 +84,10 @@ def run_service(settings: Settings, *, workdir: str | None = None) -> int:
     try:
         worker.execute_from_commandline()
     except SystemExit as exc:
-        return int(exc.code or 0)
-    return 0
+        return _stall_exit(app) or int(exc.code or 0)
+    return _stall_exit(app)
+
+
+def _stall_exit(app: Any) -> int:
+    """The exit code the worker chose for itself (a stalled table recovery), else 0."""
+    return int(app.trainsentry.extra.get("exit_code", 0) or 0)

@@ -79,3 +79,67 @@ def test_without_uvloop_auto_falls_back_and_uvloop_says_what_to_install(
     assert _loop_module() == "asyncio"
     with pytest.raises(ConfigError, match=r"pip install 'trainsentry\[service\]'"):
         install_event_loop("uvloop")
+
+
+# ------------------------------------------------------------------------------ stalled recovery
+
+@pytest.mark.parametrize("value, ok", [("0", True), ("60", True), ("30", False), ("-1", False)])
+def test_recovery_stall_limit_is_off_or_at_least_a_minute(value: str, ok: bool) -> None:
+    env = {"TRAINSENTRY_RECOVERY_STALL_S": value}
+    if ok:
+        assert load_settings(env=env).recovery_stall_s == int(value)
+    else:
+        with pytest.raises(ConfigError, match="TRAINSENTRY_RECOVERY_STALL_S"):
+            load_settings(env=env)
+    assert load_settings(env={}).recovery_stall_s == 600
+
+
+def test_the_watch_reads_the_real_faust_recovery_of_a_built_app() -> None:
+    """recovery_progress reads faust-streaming's own Recovery (attribute names checked
+    against the pinned version), on the app `trainsentry serve` builds."""
+    from stream_app.app import build_app
+    from stream_app.offsets import RecoveryWatch, recovery_progress
+
+    app = build_app(load_settings(env={"TRAINSENTRY_KAFKA_BOOTSTRAP": "127.0.0.1:1"}))
+    assert recovery_progress(app) == 0
+    from faust.types import TP
+
+    recovery = app.tables.recovery
+    recovery.active_offsets[TP("t-run_state-changelog", 0)] = 41
+    recovery.standby_offsets[TP("t-run_state-changelog", 1)] = 1
+    assert recovery_progress(app) == 42
+    watch = RecoveryWatch(60.0)
+    assert watch.observe(0.0, recovering=True, progress=recovery_progress(app)) is None
+    assert watch.observe(61.0, recovering=False, progress=42) is None  # recovered: reset
+    assert watch.observe(62.0, recovering=True, progress=42) is None
+    assert watch.observe(122.0, recovering=True, progress=42) == 60.0
+    assert RecoveryWatch(0.0).observe(1e9, recovering=True, progress=0) is None  # off
+
+
+def test_a_stalled_worker_stops_itself_with_its_own_exit_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM to itself (the clean shutdown path), exit code 70 for run_service, and a
+    forced exit if the clean shutdown hangs."""
+    import os
+    import signal
+    import threading
+    from types import SimpleNamespace
+
+    from stream_app.app import RECOVERY_STALL_EXIT, ServiceState, stop_stalled_worker
+    from stream_app.service import _stall_exit
+
+    forced = threading.Event()
+    codes: list[int] = []
+
+    def fake_exit(code: int) -> None:
+        codes.append(code)
+        forced.set()
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    sent: list[tuple[int, int]] = []
+    svc = ServiceState()
+    stop_stalled_worker(svc, 612.0, 600, kill=lambda pid, sig: sent.append((pid, sig)),
+                        force_after_s=0.05)
+    assert sent == [(os.getpid(), signal.SIGTERM)]
+    assert forced.wait(5) and codes == [RECOVERY_STALL_EXIT] == [70]
+    assert _stall_exit(SimpleNamespace(trainsentry=svc)) == 70
+    assert _stall_exit(SimpleNamespace(trainsentry=ServiceState())) == 0

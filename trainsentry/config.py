@@ -110,6 +110,7 @@ class Settings:
     finished_run_retention_s: int = 86400  #: keep a finished run's state this long (dashboard)
     idle_run_retention_s: int = 7 * 86400  #: drop an unfinished run's state after this silence
     event_loop: str = "auto"  #: auto (uvloop when installed), uvloop, asyncio
+    recovery_stall_s: int = 600  #: restart the worker after a table recovery this long stuck (0: never)
     # Kafka security (SASL/SSL clusters); empty = PLAINTEXT.
     kafka_security_protocol: str = "PLAINTEXT"
     kafka_sasl_mechanism: str = ""
@@ -162,6 +163,7 @@ ENV_VARS: dict[str, str] = {
     "TRAINSENTRY_DETECTOR_CONFIG": "detector_config",
     "TRAINSENTRY_FINISHED_RUN_RETENTION_S": "finished_run_retention_s",
     "TRAINSENTRY_IDLE_RUN_RETENTION_S": "idle_run_retention_s",
+    "TRAINSENTRY_RECOVERY_STALL_S": "recovery_stall_s",
     "TRAINSENTRY_EVENT_LOOP": "event_loop",
     "TRAINSENTRY_KAFKA_SECURITY_PROTOCOL": "kafka_security_protocol",
     "TRAINSENTRY_KAFKA_SASL_MECHANISM": "kafka_sasl_mechanism",
@@ -217,6 +219,9 @@ def _validate(s: Settings) -> Settings:
         raise ConfigError(f"idle_run_retention_s must be >= 3600 seconds, got "
                           f"{s.idle_run_retention_s} (TRAINSENTRY_IDLE_RUN_RETENTION_S): a "
                           "shorter one could drop a run before its hang is reported")
+    if s.recovery_stall_s != 0 and s.recovery_stall_s < 60:
+        raise ConfigError(f"recovery_stall_s must be 0 (never restart) or >= 60 seconds, got "
+                          f"{s.recovery_stall_s} (TRAINSENTRY_RECOVERY_STALL_S)")
     if s.alert_book_retention_s < 1:
         raise ConfigError(f"alert_book_retention_s must be >= 1 second, got "
                           f"{s.alert_book_retention_s} (TRAINSENTRY_ALERT_BOOK_RETENTION_S); "

@@ -141,6 +141,9 @@ class RunState:
         self.late_events = 0
         self.steps_evaluated = 0
         self.last_diagnoses: list[str] = []
+        #: Commands this run's breaker issued (id -> what the notices need), newest 20, so
+        #: the trainer's answer to each is told once (older pickles lack it: getattr).
+        self.issued: dict[str, dict[str, Any]] = {}
 
 
 def _fingerprint(run_id: str, label: str, rank: int | None = None) -> str:
@@ -606,7 +609,9 @@ class Engine:
         notice = self._command_notice(state, command, label, lead, step, ts,
                                       checkpoint_first=action == "checkpoint_then_stop")
         # What the trainer answers is told too (_command_outcome), once per command.
-        issued = state.__dict__.setdefault("issued", {})
+        issued = getattr(state, "issued", None)
+        if issued is None:  # a state pickled before commands were remembered
+            issued = state.issued = {}
         issued[cid] = {"label": label, "fingerprint": notice.fingerprint, "action": wire_action,
                        "to_step": to_step, "evidence": notice.evidence}
         while len(issued) > 20:

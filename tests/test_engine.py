@@ -341,3 +341,31 @@ def test_a_taken_over_state_measures_silence_from_the_takeover() -> None:
     fired = [a for t in range(60, 200, 5) for a in engine.tick(taken, restart + t)]
     assert [a.diagnosis for a in fired] == ["training_hang"]
     assert fired[0].ts - restart <= 130
+
+
+def test_a_state_pickled_before_commands_were_remembered_still_trips_and_tells() -> None:
+    """RunStates in the changelog from an older version lack ``issued`` (and alert states
+    lack their last evidence): the breaker and the answer to its command still work."""
+    import pickle
+
+    rng = random.Random(4)
+    engine = Engine()
+    state = engine.new_state("r")
+    out: list = []
+    for s in range(51):
+        for ev in _step_events("r", s, 1000.0 + 20 * s, loss=math.nan if s >= 50 else 0.1,
+                               rng=rng):
+            out += engine.process(state, ev)
+    del state.issued
+    for st in state.alerts.values():
+        del st.last_evidence, st.last_confidence
+    state = pickle.loads(pickle.dumps(state))
+    for s in range(51, 54):
+        for ev in _step_events("r", s, 1000.0 + 20 * s, loss=math.nan, rng=rng):
+            out += engine.process(state, ev)
+    (cmd,) = [c for c in out if isinstance(c, ControlCommand)]
+    assert [a for a in out if isinstance(a, AlertEvent) and a.command]
+    told = engine.process(state, RunEvent(run_id="r", type="command_applied", ts=3000.0,
+                                          step=53, fields={"command_id": cmd.id,
+                                                           "action": "stop", "result": "ok"}))
+    assert len(told) == 1 and told[0].command["outcome"] == "applied"

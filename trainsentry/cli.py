@@ -92,7 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the stream app as a service",
                        description="Runs the stream app (detection, diagnosis, notifications, "
                        "HTTP on TRAINSENTRY_WEB_PORT). Workers join by Kafka consumer group. "
-                       "Configured by environment variables (docs/configuration.md) or --config.")
+                       "Configured by environment variables (docs/configuration.md) or --config.",
+                       epilog="Exit codes: 0 stopped (SIGTERM/SIGINT); 2 bad configuration or "
+                       "broker unreachable (the message says what to fix); 70 the worker stopped "
+                       "itself because its table recovery stalled (TRAINSENTRY_RECOVERY_STALL_S): "
+                       "run it under a supervisor that restarts it.")
     p.add_argument("--config", help="YAML/JSON config file (environment variables win)")
     p.add_argument("--web-port", type=int, default=None, help="override TRAINSENTRY_WEB_PORT")
     p.add_argument("--partitions", type=int, default=None, help="partitions for created topics")

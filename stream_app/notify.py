@@ -161,7 +161,7 @@ def install_notifier(app: Any, *, alerts_topic: Any, notifier: Any, svc: Any, pa
                 continue
             try:
                 load([run_id])
-            except ValueError as exc:  # not JSON: left alone, never silently deleted
+            except (ValueError, KeyError, TypeError) as exc:  # unreadable: kept, never deleted
                 ages.pop(run_id, None)
                 log.error("alert book of run %r does not load (%s); it is kept as it is",
                           run_id, exc)

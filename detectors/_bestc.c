@@ -61,7 +61,9 @@ static const double VA = 2.0 / (SHORT + 1);
 static const double RB = 1.0 - SLOW;
 static const double KMAD = KK * MAD_TO_STD;
 
-static PyObject *fsum_func = NULL; /* math.fsum, for the MAD == 0 fallback */
+/* detectors._stats.exact_sum (math.fsum that never raises on overflow), for the MAD == 0
+   fallback: the same function the Python reference calls, so results stay identical */
+static PyObject *fsum_func = NULL;
 static PyObject *deque_type = NULL; /* collections.deque */
 
 typedef struct {
@@ -815,10 +817,10 @@ static struct PyModuleDef bestc_module = {
 };
 
 PyMODINIT_FUNC PyInit__bestc(void) {
-    PyObject *math = PyImport_ImportModule("math");
-    if (!math) return NULL;
-    fsum_func = PyObject_GetAttrString(math, "fsum");
-    Py_DECREF(math);
+    PyObject *stats = PyImport_ImportModule("detectors._stats");
+    if (!stats) return NULL;
+    fsum_func = PyObject_GetAttrString(stats, "exact_sum");
+    Py_DECREF(stats);
     if (!fsum_func) return NULL;
     PyObject *coll = PyImport_ImportModule("collections");
     if (!coll) return NULL;

@@ -6,7 +6,8 @@ import math
 from collections import deque
 from typing import Any
 
-__all__ = ["EWStats", "finite", "safe_ratio", "refractory_gate", "refractory_push", "check_layout"]
+__all__ = ["EWStats", "finite", "exact_sum", "safe_ratio", "refractory_gate", "refractory_push",
+           "check_layout"]
 
 # Scores are capped so that 1e300-sized input never overflows into inf.
 SCORE_CAP = 1e9
@@ -18,6 +19,21 @@ def finite(x: float) -> bool:
         return math.isfinite(x)
     except TypeError:
         return False
+
+
+def exact_sum(values: Any) -> float:
+    """``math.fsum``, except where it raises OverflowError (values near the float limit,
+    whose exact sum does not fit a float): then the plain float sum, inf or nan, as the
+    detectors' running sums give. A detector must never raise on finite input.
+
+    >>> exact_sum([0.1] * 10), exact_sum([1e308, 1e308])
+    (1.0, inf)
+    """
+    values = list(values)
+    try:
+        return math.fsum(values)
+    except OverflowError:
+        return sum(values, 0.0)
 
 
 def refractory_gate(recent: deque[tuple[int, float]], horizon: int, score: float) -> float:

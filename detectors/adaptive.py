@@ -6,6 +6,7 @@ import math
 from collections import deque
 from math import isfinite, sqrt
 
+from detectors._stats import exact_sum
 from detectors.base import Detector
 
 __all__ = ["AdaptiveThreshold"]
@@ -71,8 +72,8 @@ class AdaptiveThreshold(Detector):
         self._sumsq += x * x
         self._since_exact += 1
         if self._since_exact >= self.window:
-            self._sum = math.fsum(values)
-            self._sumsq = math.fsum(v * v for v in values)
+            self._sum = exact_sum(values)  # exact re-sum against drift
+            self._sumsq = exact_sum(v * v for v in values)
             self._since_exact = 0
 
     def mean(self) -> float:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import bisect
-import math
 from bisect import bisect_left, insort
 from collections import deque
 from math import isfinite
 
-from detectors._stats import SCORE_CAP
+from detectors._stats import SCORE_CAP, exact_sum
 from detectors.base import Detector
 
 __all__ = ["RobustZScore", "mad_of_sorted"]
@@ -142,6 +141,6 @@ def mad_of_sorted(s: list[float]) -> float:
 
     mad = kth(mid) if n % 2 else 0.5 * (kth(mid - 1) + kth(mid))
     if mad == 0.0:
-        total = (math.fsum(s[p:]) - nb * med) + (na * med - math.fsum(s[:p]))
+        total = (exact_sum(s[p:]) - nb * med) + (na * med - exact_sum(s[:p]))
         mad = total / n / _MAD_TO_STD
     return mad

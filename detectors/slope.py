@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections import deque
-from math import fsum, isfinite, sqrt
+from math import isfinite, sqrt
 
-from detectors._stats import SCORE_CAP
+from detectors._stats import SCORE_CAP, exact_sum
 from detectors.base import Detector
 
 __all__ = ["Slope"]
@@ -114,6 +114,6 @@ class Slope(Detector):
         self._since_exact += 1
         if self._since_exact >= self.window:
             self._since_exact = 0
-            self._sy = fsum(values)
-            self._sty = fsum(t * y for t, y in enumerate(values))
-            self._syy = fsum(y * y for y in values)
+            self._sy = exact_sum(values)
+            self._sty = exact_sum(t * y for t, y in enumerate(values))
+            self._syy = exact_sum(y * y for y in values)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -91,3 +93,17 @@ def test_score_above_one_means_outside_band() -> None:
     lower, upper = det.bounds()
     assert det.score_one(upper + 0.01) > 1.0 > det.score_one(upper - 0.01)
     assert det.is_anomaly(lower - 0.01)
+
+
+def test_values_near_the_float_limit_do_not_crash_the_exact_resum() -> None:
+    """Found by the contract's property test: a full window holding two values near
+    1.8e308 made math.fsum raise OverflowError inside learn_one (an engine error in the
+    service); the running sums overflow to inf instead, and the score stays finite."""
+    det = AdaptiveThreshold(window=20)
+    for x in [0.0] * 18 + [8.988465674311579e+307, 8.98846567431158e+307]:
+        det.learn_one(x)  # the 20th value triggers the exact re-sum
+    score = det.score_one(1.0)
+    assert math.isfinite(score) and score >= 0
+    for _ in range(40):  # the huge values leave the window: sums are finite again
+        det.learn_one(1.0)
+    assert math.isfinite(det.mean()) and math.isfinite(det.std())

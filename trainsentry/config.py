@@ -200,6 +200,9 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
     return str(raw)
 
 
+_ENV_OF = {field_name: var for var, field_name in ENV_VARS.items()}
+
+
 def _validate(s: Settings) -> Settings:
     if s.language not in ("zh", "en"):
         raise ConfigError(f"language must be 'zh' or 'en', got {s.language!r} (TRAINSENTRY_LANGUAGE)")
@@ -212,20 +215,17 @@ def _validate(s: Settings) -> Settings:
     if s.event_loop not in ("auto", "uvloop", "asyncio"):
         raise ConfigError(f"event_loop must be auto, uvloop or asyncio, got {s.event_loop!r} "
                           "(TRAINSENTRY_EVENT_LOOP)")
-    if s.finished_run_retention_s < 0:
-        raise ConfigError(f"finished_run_retention_s must be >= 0 seconds, got "
-                          f"{s.finished_run_retention_s} (TRAINSENTRY_FINISHED_RUN_RETENTION_S)")
-    if s.idle_run_retention_s < 3600:
-        raise ConfigError(f"idle_run_retention_s must be >= 3600 seconds, got "
-                          f"{s.idle_run_retention_s} (TRAINSENTRY_IDLE_RUN_RETENTION_S): a "
-                          "shorter one could drop a run before its hang is reported")
-    if s.recovery_stall_s != 0 and s.recovery_stall_s < 60:
-        raise ConfigError(f"recovery_stall_s must be 0 (never restart) or >= 60 seconds, got "
-                          f"{s.recovery_stall_s} (TRAINSENTRY_RECOVERY_STALL_S)")
-    if s.alert_book_retention_s < 1:
-        raise ConfigError(f"alert_book_retention_s must be >= 1 second, got "
-                          f"{s.alert_book_retention_s} (TRAINSENTRY_ALERT_BOOK_RETENTION_S); "
-                          "keep it at an hour or more in production")
+    # Durations in seconds: (field, least value, 0 also allowed, why the bound).
+    for name, least, zero_ok, why in (
+            ("finished_run_retention_s", 0, False, ""),
+            ("idle_run_retention_s", 3600, False,
+             ": a shorter one could drop a run before its hang is reported"),
+            ("recovery_stall_s", 60, True, " (0: never restart)"),
+            ("alert_book_retention_s", 1, False, "; keep it at an hour or more in production")):
+        value = getattr(s, name)
+        if value < least and not (zero_ok and value == 0):
+            raise ConfigError(f"{name} must be {'0 or ' if zero_ok else ''}>= {least} seconds, "
+                              f"got {value} ({_ENV_OF[name]}){why}")
     if not s.kafka_bootstrap:
         raise ConfigError("kafka_bootstrap is empty; set TRAINSENTRY_KAFKA_BOOTSTRAP=host:port")
     return s

@@ -10,7 +10,9 @@ three layers plus one resource sample per rank per step) into fresh topics, then
 3. the service: ``trainsentry serve`` (decode, validate, step join, detectors, diagnosis,
    state table, alerts) consumes the same records; progress is the detect agent's consumed
    counter from ``/api/stats``;
-4. for reference, decoding and validating the records against the contract (the floor of
+4. for reference, parsing the JSON values only (orjson; what any consumer that reads the
+   contract's values pays, and how much of the target's per-record budget it takes),
+   decoding and validating the records against the contract (the floor of
    any consumer that looks at a record), and the service's own logic in process, without Kafka or Faust: the records
    the bare consumer read, through ``stream_app.pipeline.Pipeline`` (decode, validate,
    engine: join, detectors, diagnosis, alert encoding and signing), then every run's
@@ -175,6 +177,21 @@ def _noop_rate(bootstrap: str, prefix: str, partitions: int, total: int,
     return _service_rate(samples, total)
 
 
+def _parse_rate(records: list[tuple[str, bytes | None, bytes | None]]) -> tuple[float, int]:
+    """Seconds to parse every value with orjson and touch each metric once: what any
+    consumer that reads the contract's JSON values pays before it checks or joins anything."""
+    from orjson import loads
+
+    t0 = time.perf_counter()
+    for _topic, _key, value in records:
+        obj = loads(value) if value else None
+        metrics = obj.get("metrics") if isinstance(obj, dict) else None
+        if isinstance(metrics, dict):
+            for _name, _x in metrics.items():
+                pass
+    return time.perf_counter() - t0, len(records)
+
+
 def _decode_rate(topics: Topics,
                  records: list[tuple[str, bytes | None, bytes | None]]) -> tuple[float, int]:
     """Seconds to decode and validate ``records`` against the contract only (no engine)."""
@@ -314,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     secs, n = asyncio.run(_bare_consume(args.bootstrap, sources, total, keep=fetched))
     bare = n / secs
     print(f"bare aiokafka consumer: {n} records in {secs:.2f} s = {bare:,.0f} records/s", flush=True)
+    secs, n = _parse_rate(fetched)
+    # At the target the service may spend per record what the bare consumer spends: 1/bare.
+    print(f"JSON parse only (orjson.loads, each metric touched once), in process: "
+          f"{n / secs:,.0f} records/s = {n / secs / bare:.3f} of bare; at the 0.5 target a "
+          f"consumer has {1e6 / bare:.2f} us per record beyond the fetch, and the parse alone "
+          f"takes {secs / n * 1e6:.2f} us of it", flush=True)
     secs, n = _decode_rate(topics, fetched)
     print(f"decode + validate only, in process: {n / secs:,.0f} records/s = "
           f"{n / secs / bare:.3f} of bare", flush=True)

@@ -53,7 +53,7 @@ def test_throughput_bench_prints_the_ratio_last(kafka_bootstrap: str) -> None:
                  "6", "--ranks", "1")
     assert _number(r"ratio \(service / bare consumer\): ([\d.]+)", lines[-1]) > 0
     text = "\n".join(lines)
-    for what in ("bare aiokafka consumer", "decode + validate only", "service logic in process",
+    for what in ("bare aiokafka consumer", "JSON parse only", "decode + validate only", "service logic in process",
                  "getmany batches through the service logic", "faust no-op agent",
                  "trainsentry serve"):
         assert what in text, what

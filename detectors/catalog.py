@@ -143,8 +143,12 @@ def load_catalog(path: str | Path | None) -> Catalog:
     if not path:
         return Catalog()
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"detector config {p} is a directory; give its YAML/JSON file "
+                          "(--config or TRAINSENTRY_DETECTOR_CONFIG)")
     if not p.is_file():
-        raise ConfigError(f"detector config {p} does not exist; fix --config")
+        raise ConfigError(f"detector config {p} does not exist; fix --config "
+                          "(or TRAINSENTRY_DETECTOR_CONFIG)")
     text = p.read_text(encoding="utf-8")
     try:
         if p.suffix in (".yaml", ".yml"):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from detectors.catalog import Catalog
-from detectors.knowledge import KNOWLEDGE
+from detectors.knowledge import FIX_BEFORE_RESTART, for_run
 from detectors.monitor import Finding, SignalMonitor, _round
 from detectors.rules import Diagnosis, StepContext, diagnose
 from producers.layers import signal_info
@@ -101,6 +101,9 @@ class _AlertState:
     #: existed lack them: read with getattr).
     last_evidence: dict[str, Any] = field(default_factory=dict)
     last_confidence: float = 1.0
+    #: The latest alert's own summary, without the label (both languages), for the notices
+    #: that speak of this problem later (the breaker's, when it was not diagnosed again).
+    last_summary: tuple[str, str | None] | None = None
 
 
 class RunState:
@@ -144,6 +147,18 @@ class RunState:
         #: Commands this run's breaker issued (id -> what the notices need), newest 20, so
         #: the trainer's answer to each is told once (older pickles lack it: getattr).
         self.issued: dict[str, dict[str, Any]] = {}
+        #: ``run_finished`` of a run that failed (exit code, error), until the run closes.
+        self.exit: dict[str, Any] | None = None
+
+
+def _exit_of(ev: RunEvent) -> dict[str, Any] | None:
+    """``{"exit_code", "error"}`` of a ``run_finished`` that reports a failure, else None."""
+    code, error = ev.fields.get("exit_code"), ev.fields.get("error")
+    code = code if isinstance(code, int) and not isinstance(code, bool) else None
+    error = " ".join(error.split())[:300] if isinstance(error, str) and error.strip() else None
+    if not code and error is None:
+        return None
+    return {"exit_code": code, "error": error}
 
 
 def _fingerprint(run_id: str, label: str, rank: int | None = None) -> str:
@@ -256,6 +271,7 @@ class Engine:
             # Offline the file is in order: finish now. In the stream the run's last steps
             # may still be in flight on other topics: finish once they are joined.
             state.finish_at = (ev.ts, state.arrival)
+            state.exit = _exit_of(ev)
             out += self._maybe_finish(state)
         state.last_seen_ts = max(state.last_seen_ts or ev.ts, ev.ts)
         return out
@@ -333,7 +349,9 @@ class Engine:
         out = self.flush(state)
         state.finished = True
         state.finish_at = None
-        return out + self._resolve_all(state, ts, reason="run finished")
+        failed = getattr(state, "exit", None)  # states pickled before it lack it
+        state.exit = None
+        return out + self._resolve_all(state, ts, reason="run finished", failed=failed)
 
     def _ready(self, state: RunState, step: int) -> bool:
         """Every live part has reached ``step`` (each part's records arrive in order, so
@@ -515,10 +533,11 @@ class Engine:
 
     def _alert(self, state: RunState, st: _AlertState, d: Diagnosis, step: int, ts: float,
                status: str, secondary: list[str]) -> AlertEvent:
-        know = KNOWLEDGE.get(d.label, KNOWLEDGE["unknown"])
+        know = for_run(d.label, state.config)
         aid = _alert_id(st.fingerprint, state.attempt, step, status, st.repeats)
         st.last_alert_id = aid
         st.last_evidence, st.last_confidence = d.evidence, round(d.confidence, 3)
+        st.last_summary = (d.summary, d.summary_zh)
         summary = f"{d.label}: {d.summary}"
         return AlertEvent(
             id=aid, fingerprint=st.fingerprint, run_id=state.run_id, status=status,
@@ -541,8 +560,10 @@ class Engine:
         return out
 
     def _resolved(self, state: RunState, st: _AlertState, step: int, ts: float,
-                  reason: str) -> AlertEvent:
+                  reason: str, failed: dict[str, Any] | None = None) -> AlertEvent:
         aid = _alert_id(st.fingerprint, state.attempt, step, "resolved", st.repeats)
+        if failed is not None:
+            return self._ended_failing(state, st, aid, step, ts, failed)
         return AlertEvent(
             id=aid, fingerprint=st.fingerprint, run_id=state.run_id, status="resolved",
             severity=st.severity, diagnosis=st.label, step=step, ts=ts,
@@ -550,11 +571,34 @@ class Engine:
             evidence={}, actions=[], attempt=state.attempt,
         )
 
-    def _resolve_all(self, state: RunState, ts: float, *, reason: str) -> list[Output]:
+    def _ended_failing(self, state: RunState, st: _AlertState, aid: str, step: int, ts: float,
+                       failed: dict[str, Any]) -> AlertEvent:
+        """The episode closes because the run died with it still firing: not a recovery.
+        The notice keeps the problem's evidence and actions (fix it before a restart)."""
+        code, error = failed.get("exit_code"), failed.get("error")
+        how = f"with exit code {code}" if code is not None else "with an error"
+        how_zh = f"退出码 {code}" if code is not None else "报错退出"
+        summary = (f"{st.label}: the run exited {how} at step {step} while this alert was firing "
+                   f"(since step {st.since_step}): it did not recover"
+                   + (f"; error: {error}" if error else ""))
+        summary_zh = (f"{st.label}：训练进程在第 {step} 步异常退出（{how_zh}），退出时这个告警仍在"
+                      f"触发（自第 {st.since_step} 步起）：问题没有恢复"
+                      + (f"；错误：{error}" if error else ""))
+        know = for_run(st.label, state.config)
+        evidence = dict(getattr(st, "last_evidence", None) or {})
+        return AlertEvent(
+            id=aid, fingerprint=st.fingerprint, run_id=state.run_id, status="resolved",
+            severity=st.severity, diagnosis=st.label, step=step, ts=ts, summary=summary,
+            summary_zh=summary_zh, evidence=evidence,
+            actions=[FIX_BEFORE_RESTART, *know.actions],
+            checks=list(know.checks), attempt=state.attempt, run_exit=dict(failed))
+
+    def _resolve_all(self, state: RunState, ts: float, *, reason: str,
+                     failed: dict[str, Any] | None = None) -> list[Output]:
         out: list[Output] = []
         for fp, st in list(state.alerts.items()):
             del state.alerts[fp]
-            out.append(self._resolved(state, st, max(state.last_evaluated, 0), ts, reason))
+            out.append(self._resolved(state, st, max(state.last_evaluated, 0), ts, reason, failed))
         return out
 
     # ----------------------------------------------------------------- circuit breaker
@@ -641,7 +685,7 @@ class Engine:
             summary_zh = (f"{label}：训练进程拒绝了命令 {cid}（{action}）：{detail}；训练仍在继续："
                           "请确认训练侧与服务使用相同的 TRAINSENTRY_CONTROL_SECRET、两边时钟一致，"
                           "或手动处理")
-        know = KNOWLEDGE.get(label, KNOWLEDGE["unknown"])
+        know = for_run(label, state.config)
         fp = str(info["fingerprint"])
         step = ev.step if ev.step is not None else max(state.last_evaluated, 0)
         evidence = dict(info.get("evidence") or {})
@@ -677,12 +721,18 @@ class Engine:
             what = "stop the run at the next step boundary"
             what_zh = "在下一个训练步的边界停止训练"
         fallback = "no healthy checkpoint to roll back to" in command.reason
-        summary = (f"{label}: circuit breaker after {n} consecutive critical steps, command "
-                   f"{command.id}: {what}" + ("; no healthy checkpoint to roll back to, so it "
-                                              "stops instead" if fallback else ""))
-        summary_zh = (f"{label}：连续 {n} 步严重告警，触发熔断，命令 {command.id}：{what_zh}"
+        # What is wrong first (the message's reader has not seen the earlier alert), then
+        # what the breaker does about it.
+        said = (lead.summary, lead.summary_zh) if lead is not None else \
+            getattr(st, "last_summary", None)  # states pickled before it lack it
+        problem = f"{said[0]}; " if said else ""
+        problem_zh = f"{said[1] or said[0]}；" if said else ""
+        summary = (f"{label}: {problem}circuit breaker after {n} consecutive critical steps, "
+                   f"command {command.id}: {what}" + ("; no healthy checkpoint to roll back "
+                                                      "to, so it stops instead" if fallback else ""))
+        summary_zh = (f"{label}：{problem_zh}连续 {n} 步严重告警，触发熔断，命令 {command.id}：{what_zh}"
                       + ("；没有可回滚的健康 checkpoint，因此改为停止" if fallback else ""))
-        know = KNOWLEDGE.get(label, KNOWLEDGE["unknown"])
+        know = for_run(label, state.config)
         if lead is not None:
             evidence, confidence = lead.evidence, round(lead.confidence, 3)
         else:  # still firing, not diagnosed again this step: its latest alert's evidence

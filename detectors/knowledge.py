@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 __all__ = ["LABELS", "LANGUAGES", "Knowledge", "KNOWLEDGE", "KNOWLEDGE_ZH", "knowledge",
-           "localize"]
+           "localize", "FIX_BEFORE_RESTART", "for_run", "has_critic"]
 
 #: The languages chat messages are written in (``TRAINSENTRY_LANGUAGE``).
 LANGUAGES: tuple[str, ...] = ("zh", "en")
@@ -215,8 +215,49 @@ def knowledge(label: str, language: str = "en") -> Knowledge:
     return book.get(label, book["unknown"])
 
 
+#: The first action of a notice whose run died with the problem still firing.
+FIX_BEFORE_RESTART = "fix this before restarting the run"
+_GENERAL: dict[str, dict[str, str]] = {
+    "zh": {FIX_BEFORE_RESTART: "重启训练前先解决这个问题"},
+    "en": {},
+}
+
+
+def has_critic(config: Mapping[str, object]) -> bool:
+    """Whether a run trains a critic, from its ``run_started`` config (verl's rule:
+    ``critic.enable`` when set, else only the ``gae`` advantage estimator). Unknown: True."""
+    enable = config.get("critic.enable")
+    if isinstance(enable, bool):
+        return enable
+    estimator = config.get("algorithm.adv_estimator")
+    return not isinstance(estimator, str) or estimator.lower() == "gae"
+
+
+#: For a run without a critic (GRPO, RLOO, ...), what replaces a text about the critic
+#: (``None``: dropped).
+_NO_CRITIC: dict[str, str | None] = {
+    "freeze the critic briefly and see whether KL settles": None,
+    "lower the critic learning rate": "lower the learning rate",
+    "more critic steps per update": None,
+}
+
+
+def for_run(label: str, config: Mapping[str, object]) -> Knowledge:
+    """:func:`knowledge` of ``label`` for one run: a run without a critic is never told to
+    tune one (a GRPO team at 3 a.m. cannot follow that)."""
+    know = KNOWLEDGE.get(label, KNOWLEDGE["unknown"])
+    if has_critic(config):
+        return know
+
+    def adapt(texts: tuple[str, ...]) -> tuple[str, ...]:
+        out = [_NO_CRITIC.get(t, t) for t in texts]
+        return tuple(dict.fromkeys(t for t in out if t is not None))
+
+    return Knowledge(know.title, adapt(know.checks), adapt(know.actions))
+
+
 def _translations(language: str) -> Mapping[str, str]:
-    out: dict[str, str] = {}
+    out: dict[str, str] = dict(_GENERAL[language])
     for label, en in KNOWLEDGE.items():
         other = _BY_LANGUAGE[language][label]
         for src, dst in ((en.checks, other.checks), (en.actions, other.actions),

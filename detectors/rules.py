@@ -242,8 +242,12 @@ def rule_numeric_underflow(ctx: StepContext) -> Diagnosis | None:
     length_drop = "response_length" in ctx.role_findings
     if empty is None or f_empty is None or empty <= 0.10 or not length_drop:
         return None
-    ev = {**_finding_ev(ctx, "empty_ratio"), **_finding_ev(ctx, "response_length")}
     critical = empty > 0.15
+    # The bound a reader needs is the one this rule applied (the band's alone is ~0 on a
+    # run that never had empty responses): the band or the 10 % / 15 % floor, the larger.
+    ratio_ev = f_empty.evidence()
+    ratio_ev["bound"] = _round(max(f_empty.bound, 0.15 if critical else 0.10))
+    ev = {f_empty.key: ratio_ev, **_finding_ev(ctx, "response_length")}
     return Diagnosis("numeric_underflow", "critical" if critical else "warning", 0.9,
                      f"empty-response ratio {empty:.0%} while response length collapses "
                      "(logits underflow after softmax?)", ev,

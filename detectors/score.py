@@ -173,29 +173,42 @@ def score_series(values: Iterable[float], *, detector: str = "best",
 
 def read_nab_csv(path: str | Path) -> tuple[list[str], list[float]]:
     """``(timestamps, values)`` of a ``timestamp,value`` CSV with a header row (NAB format)."""
+    timestamps, _texts, values = read_nab_rows(path)
+    return timestamps, values
+
+
+def read_nab_rows(path: str | Path) -> tuple[list[str], list[str], list[float]]:
+    """``(timestamps, value texts as written, values)``; an empty value is a missing sample
+    (NaN, as pandas writes one)."""
     path = Path(path)
+    if path.is_dir():
+        raise ScoreError(f"{path} is a directory; pass a 'timestamp,value' CSV file")
     try:
         with path.open(newline="") as fh:
             reader = csv.reader(fh)
             header = next(reader, None)
             if header is None or [h.strip().lower() for h in header[:2]] != ["timestamp", "value"]:
                 raise ScoreError(f"{path}: expected a 'timestamp,value' header, got {header}")
-            timestamps, values = [], []
+            timestamps: list[str] = []
+            texts: list[str] = []
+            values: list[float] = []
             for lineno, row in enumerate(reader, start=2):
                 if not row:
                     continue
                 if len(row) < 2:
                     raise ScoreError(f"{path}:{lineno}: expected 'timestamp,value', got {row}")
                 try:
-                    values.append(float(row[1]))
+                    values.append(float(row[1]) if row[1].strip() else math.nan)
                 except ValueError:
-                    raise ScoreError(f"{path}:{lineno}: value {row[1]!r} is not a number") from None
+                    raise ScoreError(f"{path}:{lineno}: value {row[1]!r} is not a number "
+                                     "(leave it empty or write nan for a missing sample)") from None
                 timestamps.append(row[0])
+                texts.append(row[1])
     except OSError as exc:
         raise ScoreError(f"cannot read {path}: {exc.strerror or exc}") from exc
     except (UnicodeDecodeError, csv.Error) as exc:
         raise ScoreError(f"{path}: not a CSV text file ({exc})") from exc
-    return timestamps, values
+    return timestamps, texts, values
 
 
 def run_score(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -209,16 +222,15 @@ def run_score(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
         if args.detector not in DETECTORS:
             raise ScoreError(f"unknown detector {args.detector!r}; valid names: "
                              f"{', '.join(sorted(DETECTORS))}")
-        timestamps, values = read_nab_csv(args.file)
+        timestamps, texts, values = read_nab_rows(args.file)
         scores = score_series(values, detector=args.detector, timestamps=timestamps)
     except ScoreError as exc:
         err.write(f"trainsentry score: error: {exc}\n")
         return 2
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(["timestamp", "value", "anomaly_score"])
-    for ts, value, score in zip(timestamps, values, scores, strict=True):
-        writer.writerow([ts, repr(value) if not value.is_integer() else int(value)
-                         if abs(value) < 2**53 else repr(value), f"{score:.6f}"])
+    for ts, text, score in zip(timestamps, texts, scores, strict=True):
+        writer.writerow([ts, text, f"{score:.6f}"])  # the value as the input wrote it
     return 0
 
 

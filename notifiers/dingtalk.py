@@ -21,7 +21,7 @@ import httpx
 from notifiers._http import DEFAULT_TIMEOUT_S, post_json, raise_for_http_status
 from notifiers.errors import ConfigurationError, MessageRejected, Throttled, TransientError
 from notifiers.redact import redact_url, scrub
-from notifiers.templates import render_markdown, render_text
+from notifiers.templates import pages, render_markdown, render_text
 from trainsentry.config import Secret
 from trainsentry.errors import ConfigError
 from trainsentry.events import AlertEvent
@@ -121,12 +121,8 @@ class DingTalk:
         return redact_url(self._url.get())
 
     # -- payloads --------------------------------------------------------------------------
-    def _critical(self, alerts: Sequence[AlertEvent]) -> bool:
-        return any(a.status == "firing" and (a.severity == "critical" or getattr(a, "escalated", False))
-                   for a in alerts)  # escalated: notifiers.lifecycle.Notice after repeats
-
     def _at(self, alerts: Sequence[AlertEvent]) -> tuple[dict[str, Any], str]:
-        if not self._critical(alerts):
+        if not pages(alerts):
             return {"atMobiles": [], "isAtAll": False}, ""
         mobiles = list(self.at_mobiles)
         # The robot only highlights a mention that also appears in the text as @mobile.

@@ -30,6 +30,8 @@ __all__ = [
     "LABEL_NAMES",
     "Rendered",
     "label_name",
+    "failed",
+    "pages",
     "severity_name",
     "notice_badge",
     "render_title",
@@ -73,6 +75,8 @@ _SEVERITY_RANK = {"critical": 3, "warning": 2, "info": 1}
 #: WeCom markdown's three font colours: info (green), comment (grey), warning (orange-red).
 _SEVERITY_WECOM_COLOR = {"critical": "warning", "warning": "warning", "info": "comment"}
 _RESOLVED = {"zh": "已恢复", "en": "RESOLVED", "icon": "✅"}
+#: A resolved notice whose run died with the problem still firing (``AlertEvent.run_exit``).
+_FAILED = {"zh": "运行异常退出", "en": "RUN FAILED", "icon": "❌"}
 
 _WORDS: dict[str, dict[str, str]] = {
     "run": {"zh": "运行", "en": "Run"},
@@ -89,6 +93,9 @@ _WORDS: dict[str, dict[str, str]] = {
     "actions": {"zh": "建议操作", "en": "What to do"},
     "secondary": {"zh": "其他可能原因", "en": "Other possible causes"},
     "resolved_at": {"zh": "已于第 {step} 步恢复（{time}）", "en": "Resolved at step {step} ({time})"},
+    "failed_at": {"zh": "训练进程在第 {step} 步异常退出{code}，问题没有恢复（{time}）",
+                  "en": "The run exited{code} at step {step} with this problem unresolved ({time})"},
+    "must_be_finite": {"zh": "须为有限值", "en": "must be finite"},
     "most_severe": {"zh": "最严重的一条", "en": "Most severe"},
     "dashboard": {"zh": "打开看板", "en": "Open dashboard"},
     "digest": {"zh": "告警汇总：{n} 条，{runs} 个运行", "en": "Alert digest: {n} alerts, {runs} runs"},
@@ -127,10 +134,23 @@ def label_name(label: str, language: str = "zh") -> str:
     return names[_lang(language)] if names else label
 
 
+def failed(alert: AlertEvent) -> bool:
+    """A resolved notice that closes the problem because the run died with it (not a recovery)."""
+    return alert.status == "resolved" and bool(alert.run_exit)
+
+
+def pages(alerts: Sequence[AlertEvent]) -> bool:
+    """Whether a message @-mentions on-call: a critical or escalated firing alert, or a
+    critical problem the run died with."""
+    return any((a.status == "firing" or failed(a))
+               and (a.severity == "critical" or getattr(a, "escalated", False)) for a in alerts)
+
+
 def severity_name(alert: AlertEvent, language: str = "zh") -> str:
-    """``严重`` / ``CRITICAL`` ..., or ``已恢复`` / ``RESOLVED`` for a resolved alert."""
+    """``严重`` / ``CRITICAL`` ..., ``已恢复`` / ``RESOLVED`` for a resolved alert, or
+    ``运行异常退出`` / ``RUN FAILED`` when the run died with the problem."""
     if alert.status == "resolved":
-        return _RESOLVED[language]
+        return (_FAILED if failed(alert) else _RESOLVED)[language]
     return _SEVERITY_NAMES.get(alert.severity, _SEVERITY_NAMES["info"])[language]
 
 
@@ -266,12 +286,12 @@ def notice_badge(alerts: AlertEvent | Sequence[AlertEvent], language: str = "zh"
 
 def _icon(alert: AlertEvent) -> str:
     if alert.status == "resolved":
-        return _RESOLVED["icon"]
+        return (_FAILED if failed(alert) else _RESOLVED)["icon"]
     return _SEVERITY_ICON.get(alert.severity, _SEVERITY_ICON["info"])
 
 
 def _rank(alert: AlertEvent) -> int:
-    if alert.status == "resolved":
+    if alert.status == "resolved" and not failed(alert):
         return 0
     return _SEVERITY_RANK.get(alert.severity, 1)
 
@@ -279,6 +299,8 @@ def _rank(alert: AlertEvent) -> int:
 def _num(value: Any) -> str:
     if value is None:
         return "—"
+    if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf"):  # the wire's spelling
+        value = float(value)
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (int, float)):
@@ -309,9 +331,10 @@ def _alerts(alerts: AlertEvent | Sequence[AlertEvent]) -> list[AlertEvent]:
 class _Fmt:
     """Markdown or plain text: the two differ only in these few marks."""
 
-    def __init__(self, markdown: bool, wecom: bool = False) -> None:
+    def __init__(self, markdown: bool, wecom: bool = False, language: str = "zh") -> None:
         self.markdown = markdown
         self.wecom = wecom
+        self.language = language
 
     def code(self, s: str) -> str:
         if not self.markdown:
@@ -329,11 +352,13 @@ class _Fmt:
         return f"### {s}" if self.markdown else s
 
     def section(self, s: str) -> str:
-        return f"**{s}**" if self.markdown else f"【{s}】"
+        if self.markdown:
+            return f"**{s}**"
+        return f"【{s}】" if self.language == "zh" else f"[{s}]"
 
     def severity(self, alert: AlertEvent, language: str) -> str:
         name = severity_name(alert, language)
-        if self.wecom and alert.status != "resolved":
+        if self.wecom and (alert.status != "resolved" or failed(alert)):
             color = _SEVERITY_WECOM_COLOR.get(alert.severity, "comment")
             return f'<font color="{color}">{name}</font>'
         if self.wecom:
@@ -363,6 +388,17 @@ def render_title(alerts: AlertEvent | Sequence[AlertEvent], *, language: str = "
             f"{tail}")
 
 
+def _bound(ev: dict[str, Any], lang: str) -> str:
+    """The bound a value crossed: a range when the rule checks both sides, "must be finite"
+    for a non-finite check."""
+    bound, lower = ev.get("bound"), ev.get("lower_bound")
+    if bound is None and ev.get("bound_kind") == "finite":
+        return _w("must_be_finite", lang)
+    if lower is not None and bound is not None:
+        return f"{_num(lower)} – {_num(bound)}"
+    return _num(bound)
+
+
 def _single_lines(a: AlertEvent, lang: str, f: _Fmt, *, heading: bool = True) -> list[str]:
     lines: list[str] = []
     head = f"{_icon(a)} [{f.severity(a, lang)}] {label_name(a.diagnosis, lang)} {f.code(a.diagnosis)}"
@@ -381,7 +417,12 @@ def _single_lines(a: AlertEvent, lang: str, f: _Fmt, *, heading: bool = True) ->
         meta.append(f"{f.bold(_w('where', lang))}: {where}")
     lines.append(" · ".join(meta))
     lines.append(f"{f.bold(_w('time', lang))}: {_when(a.ts)}")
-    if a.status == "resolved":
+    if failed(a):
+        code = (a.run_exit or {}).get("exit_code")
+        code_s = "" if code is None else (f"（退出码 {code}）" if lang == "zh" else f" with code {code}")
+        lines.append(f"{_FAILED['icon']} " + f.bold(_w("failed_at", lang, step=a.step, code=code_s,
+                                                       time=_when(a.ts))))
+    elif a.status == "resolved":
         lines.append(f"{_RESOLVED['icon']} " + f.bold(_w("resolved_at", lang, step=a.step,
                                                          time=_when(a.ts))))
     if a.command:
@@ -398,7 +439,7 @@ def _single_lines(a: AlertEvent, lang: str, f: _Fmt, *, heading: bool = True) ->
             if "baseline" in ev:
                 extra.append(f"{_w('baseline', lang)} {_num(ev.get('baseline'))}")
             if "bound" in ev:
-                extra.append(f"{_w('bound', lang)} {_num(ev.get('bound'))}")
+                extra.append(f"{_w('bound', lang)} {_bound(ev, lang)}")
             tail = ""
             if extra:
                 tail = f"（{'，'.join(extra)}）" if lang == "zh" else f" ({', '.join(extra)})"
@@ -409,8 +450,10 @@ def _single_lines(a: AlertEvent, lang: str, f: _Fmt, *, heading: bool = True) ->
     if a.actions:
         lines.append(f.section(_w("actions", lang)))
         lines.extend(f"{i}. {act}" for i, act in enumerate(localize(a.actions, lang), 1))
-    if a.secondary:
-        causes = ", ".join(f"{f.code(s)} {label_name(s, lang)}" for s in a.secondary)
+    # ``unknown`` next to a specific diagnosis adds nothing a reader can act on.
+    secondary = [s for s in a.secondary if s != "unknown"]
+    if secondary:
+        causes = ", ".join(f"{f.code(s)} {label_name(s, lang)}" for s in secondary)
         lines.append(f"{f.bold(_w('secondary', lang))}: {causes}")
     return lines
 
@@ -435,14 +478,19 @@ def _digest_lines(seq: list[AlertEvent], lang: str, f: _Fmt) -> list[str]:
             badge = notice_badge(group, lang, icons=True)
             if badge:
                 line += f" · {badge}"
-            if last.command:
-                line += f" · {_command_tag(last, lang)}"
+            commanded = [a for a in group if a.command]
+            if commanded:  # the breaker acted on this problem in the digest's window
+                line += f" · {_command_tag(commanded[-1], lang)}"
             if last.summary:
                 line += f" — {summary_text(last, lang)}"
             lines.append(line)
-    # Detail the worst problem that is still firing (a folded group shows its latest state).
+    # Detail the worst problem still open (a folded group shows its latest state: firing, or
+    # the run died with it); when every problem has recovered, the worst alert of the window,
+    # so the reason anyone was paged is still there to read.
     latest = [group[-1] for problems in runs.values() for group in problems.values()]
-    top = max(latest, key=lambda a: (_rank(a), a.ts))
+    open_now = [a for a in latest if _rank(a) > 0]
+    pool = open_now or seq
+    top = pool[max(range(len(pool)), key=lambda i: (_rank(pool[i]), pool[i].ts, i))]
     lines.append("---" if f.markdown else "")
     lines.append(f.section(_w("most_severe", lang)))
     lines.extend(_single_lines(top, lang, f, heading=False))
@@ -513,7 +561,7 @@ def render_markdown(alerts: AlertEvent | Sequence[AlertEvent], *, language: str 
     """Title and markdown body for one alert or a digest; ``footer`` (e.g. @mentions) is never cut."""
     lang = _lang(language)
     seq = _alerts(alerts)
-    f = _Fmt(markdown=True, wecom=wecom_colors)
+    f = _Fmt(markdown=True, wecom=wecom_colors, language=lang)
     text = _finish(_body(seq, lang, f, link), footer=footer, max_bytes=max_bytes, language=lang)
     return Rendered(render_title(seq, language=lang), text)
 
@@ -523,7 +571,7 @@ def render_text(alerts: AlertEvent | Sequence[AlertEvent], *, language: str = "z
     """Title and plain-text body (DingTalk ``text`` msgtype, terminals, logs)."""
     lang = _lang(language)
     seq = _alerts(alerts)
-    f = _Fmt(markdown=False)
+    f = _Fmt(markdown=False, language=lang)
     lines = [render_title(seq, language=lang), *_body(seq, lang, f, link)]
     text = _finish(lines, footer=footer, max_bytes=max_bytes, language=lang)
     return Rendered(render_title(seq, language=lang), text)

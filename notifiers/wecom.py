@@ -21,6 +21,7 @@ from notifiers.redact import redact_url, scrub
 from notifiers.templates import (
     WECOM_MARKDOWN_MAX_BYTES,
     label_name,
+    pages,
     render_markdown,
     render_text,
     render_title,
@@ -118,9 +119,7 @@ class WeCom:
 
     # -- payloads --------------------------------------------------------------------------
     def _mentions(self, alerts: Sequence[AlertEvent]) -> list[str]:
-        critical = any(a.status == "firing" and (a.severity == "critical" or getattr(a, "escalated", False))
-                       for a in alerts)  # escalated: notifiers.lifecycle.Notice after repeats
-        return list(self.mentioned_list) if critical else []
+        return list(self.mentioned_list) if pages(alerts) else []
 
     def markdown_payload(self, alerts: Sequence[AlertEvent]) -> dict[str, Any]:
         """``markdown`` msgtype, at most 4096 bytes, cut at a character with a "more" line."""

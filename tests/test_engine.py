@@ -369,3 +369,46 @@ def test_a_state_pickled_before_commands_were_remembered_still_trips_and_tells()
                                           step=53, fields={"command_id": cmd.id,
                                                            "action": "stop", "result": "ok"}))
     assert len(told) == 1 and told[0].command["outcome"] == "applied"
+
+
+def _nan_then_finish(exit_fields: dict) -> list:
+    rng = random.Random(11)
+    events: list[MetricEvent | RunEvent] = []
+    for s in range(60):
+        events += _step_events("r", s, 1000.0 + 20 * s, loss=math.nan if s >= 55 else 0.1, rng=rng)
+    events.append(RunEvent(run_id="r", type="run_finished", ts=1000.0 + 20 * 60,
+                           fields=exit_fields))
+    return [a for a in _run(events, EngineConfig(breaker_threshold=100))
+            if isinstance(a, AlertEvent) and a.status == "resolved"]
+
+
+def test_a_run_that_dies_with_a_firing_problem_is_not_reported_recovered() -> None:
+    """run_finished with a non-zero exit code (or an error) while nan_loss fires: the
+    episode closes with ``run_exit``, a summary that says it did not recover, the problem's
+    evidence and 'fix this before restarting'; a clean exit resolves as before."""
+    (died,) = _nan_then_finish({"exit_code": 1, "error": "RuntimeError:\n  loss is nan"})
+    assert died.diagnosis == "nan_loss" and died.run_exit == {"exit_code": 1,
+                                                              "error": "RuntimeError: loss is nan"}
+    assert "exited with exit code 1" in died.summary and "did not recover" in died.summary
+    assert "异常退出" in (died.summary_zh or "") and "退出码 1" in (died.summary_zh or "")
+    assert died.evidence and died.actions[0] == "fix this before restarting the run"
+    assert AlertEvent.from_dict(died.to_dict()) == died  # the field survives the wire
+    (errored,) = _nan_then_finish({"error": "killed by the scheduler"})
+    assert errored.run_exit == {"exit_code": None, "error": "killed by the scheduler"}
+    (clean,) = _nan_then_finish({"exit_code": 0})
+    assert clean.run_exit is None and "resolved at step" in clean.summary
+    assert "run_exit" not in clean.to_dict()
+
+
+def test_the_breaker_notice_says_what_is_wrong_before_what_it_does() -> None:
+    """The notice a team may read first names the problem's own summary (which signal, which
+    value), then the breaker's order, in both languages."""
+    rng = random.Random(12)
+    events: list[MetricEvent | RunEvent] = []
+    for s in range(60):
+        events += _step_events("r", s, 1000.0 + 20 * s, loss=math.nan if s >= 50 else 0.1, rng=rng)
+    (notice,) = [a for a in _run(events) if isinstance(a, AlertEvent) and a.command]
+    problem, breaker = notice.summary.split("circuit breaker", 1)
+    assert "actor/pg_loss" in problem
+    zh_problem = (notice.summary_zh or "").split("触发熔断", 1)[0]
+    assert "actor/pg_loss" in zh_problem

@@ -214,6 +214,22 @@ def test_start_returns_loopback_address_that_accepts_clients(broker: dict[str, A
 
 @pytest.mark.kafka
 @pytest.mark.slow
+def test_status_names_the_broker_of_another_data_dir(broker: dict[str, Any], tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """status on the right data dir says running; on another one it says not running (exit
+    1) and that a broker answers on the port, started with another --data-dir."""
+    from trainsentry.cli import main
+
+    port = str(broker["port"])
+    assert main(["kafka", "status", "--port", port, "--data-dir", str(broker["data_dir"])]) == 0
+    assert capsys.readouterr().out.startswith(f"running 127.0.0.1:{port}")
+    assert main(["kafka", "status", "--port", port, "--data-dir", str(tmp_path / "other")]) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("not running") and "another --data-dir" in err
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
 def test_start_is_idempotent(broker: dict[str, Any]) -> None:
     """A second start finds the running broker: same address, same pid, no restart."""
     pid = (broker["data_dir"] / "kafka.pid").read_text()

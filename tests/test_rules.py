@@ -11,7 +11,7 @@ import pytest
 
 from bench.diagnosis import sim_events
 from detectors.engine import Engine
-from detectors.knowledge import KNOWLEDGE
+from detectors.knowledge import for_run, has_critic, localize
 from detectors.offline import detect_events
 from detectors.rules import Diagnosis, expected_lr, parse_milestones
 from trainsentry.events import AlertEvent, MetricEvent
@@ -101,11 +101,12 @@ def test_evidence_has_value_baseline_and_bound_and_alerts_carry_knowledge() -> N
     """Every signal in the evidence has value, baseline and bound; checks and actions come
     from the knowledge base; confidence is in (0, 1]."""
     for label in FAULT_LABELS:
-        for a in firing(scenario(label)):
+        sc = scenario(label)
+        for a in firing(sc):
             assert a.evidence, label
             for key, ev in a.evidence.items():
                 assert {"value", "baseline", "bound"} <= set(ev), (label, key, ev)
-            know = KNOWLEDGE[a.diagnosis]
+            know = for_run(a.diagnosis, {"algorithm.adv_estimator": "gae" if sc.algorithm == "ppo" else "grpo"})
             assert a.checks == list(know.checks) and a.actions == list(know.actions)
             assert a.confidence is not None and 0 < a.confidence <= 1
             assert a.severity in ("warning", "critical")
@@ -232,3 +233,46 @@ def test_the_latency_unknown_has_a_chinese_summary_with_its_hint() -> None:
                for a in alerts), [(a.diagnosis, a.summary) for a in alerts]
     for a in alerts:
         _zh_checked(a)
+
+
+def test_a_run_without_a_critic_is_never_told_to_tune_one() -> None:
+    """kl_drift on GRPO (no critic in verl unless critic.enable) names no critic step, in
+    either language; on PPO (gae) the critic steps stay."""
+    grpo = firing(scenario("kl_drift"))
+    ppo = firing(scenario("kl_drift", algorithm="ppo"))
+    assert grpo and ppo
+    for a in grpo:
+        texts = a.actions + a.checks
+        assert not any("critic" in t for t in texts), texts
+        assert not any("critic" in t for t in localize(texts, "zh"))
+        assert "lower the learning rate" in a.actions
+    assert any("critic" in t for a in ppo for t in a.actions)
+    assert has_critic({"algorithm.adv_estimator": "grpo", "critic.enable": True})
+    assert not has_critic({"algorithm.adv_estimator": "GRPO"}) and has_critic({})
+
+
+def test_numeric_underflow_evidence_shows_the_threshold_it_crossed() -> None:
+    """The empty-response ratio's bound is the rule's 10 % / 15 % floor when the band's own
+    bound is lower (a run that never had empty responses has a band of ~0)."""
+    alerts = firing(scenario("numeric_underflow"))
+    assert alerts
+    for a in alerts:
+        if a.diagnosis != "numeric_underflow":
+            continue
+        (key,) = [k for k in a.evidence if "aborted" in k or "empty" in k]
+        floor = 0.15 if a.severity == "critical" else 0.10
+        assert a.evidence[key]["bound"] >= floor, a.evidence
+        assert a.evidence[key]["value"] > a.evidence[key]["bound"]
+
+
+def test_every_breaker_notice_says_what_is_wrong_first() -> None:
+    """On every label's simulated fault that trips the breaker, the notice's summary starts
+    with the problem (also when the breaker trips on a step the rule did not fire again)."""
+    notices = [a for label in FAULT_LABELS
+               for a in detect_events(sim_events(scenario(label)))
+               if isinstance(a, AlertEvent) and a.command and "outcome" not in a.command]
+    assert len({a.diagnosis for a in notices}) >= 3
+    for a in notices:
+        body = a.summary.split(": ", 1)[1]
+        assert not body.startswith("circuit breaker"), a.summary
+        assert not (a.summary_zh or "").split("：", 1)[1].startswith("连续"), a.summary_zh

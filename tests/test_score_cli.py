@@ -152,3 +152,19 @@ def test_values_per_day_from_timestamps() -> None:
     assert values_per_day(hourly) == 24
     assert values_per_day(["not a time", "either"]) is None
     assert values_per_day(["2024-01-01 00:00:00"]) is None
+
+
+def test_value_column_is_copied_verbatim_and_an_empty_value_is_missing(tmp_path: Path) -> None:
+    """The output's value column is the input's text (1.0 stays 1.0, 1e3 stays 1e3); an
+    empty value (how pandas writes NaN) is a missing sample scored 0, not an error."""
+    path = tmp_path / "s.csv"
+    texts = ["1.0", "2.50", "1e3", "", "NaN", "7"]
+    path.write_text("timestamp,value\n" + "".join(f"2024-01-01 00:00:{i:02d},{t}\n"
+                                                  for i, t in enumerate(texts)))
+    rc, out, err = run(["score", str(path)])
+    assert rc == 0, err
+    rows = list(csv.reader(io.StringIO(out)))[1:]
+    assert [r[1] for r in rows] == texts
+    assert float(rows[3][2]) == 0.0
+    rc, _, err = run(["score", str(tmp_path)])
+    assert rc == 2 and "is a directory" in err

@@ -143,3 +143,12 @@ def test_a_stalled_worker_stops_itself_with_its_own_exit_code(monkeypatch: pytes
     assert forced.wait(5) and codes == [RECOVERY_STALL_EXIT] == [70]
     assert _stall_exit(SimpleNamespace(trainsentry=svc)) == 70
     assert _stall_exit(SimpleNamespace(trainsentry=ServiceState())) == 0
+
+
+def test_an_empty_topic_prefix_is_kept_verbatim() -> None:
+    """TRAINSENTRY_TOPIC_PREFIX= gives unprefixed topics (the contract prepends the prefix
+    verbatim); other empty variables still mean unset."""
+    s = load_settings(env={"TRAINSENTRY_TOPIC_PREFIX": "", "TRAINSENTRY_LANGUAGE": ""})
+    assert s.topic_prefix == "" and s.topics.data == "metrics.data"
+    assert s.language == "zh"
+    assert load_settings(env={}).topics.data == "trainsentry.metrics.data"

@@ -15,6 +15,7 @@ from notifiers.templates import (
     label_name,
     more_line,
     notice_badge,
+    pages,
     render_markdown,
     render_text,
     render_title,
@@ -379,3 +380,57 @@ def test_the_trainers_answer_reads_in_both_languages(outcome: str, zh: str, en: 
     assert en in render_markdown(alert, language="en").text
     assert render_title(alert, language="zh").startswith(f"[trainsentry] {title_zh} · ")
     assert ("撤销回滚" in render_markdown(alert, language="zh").text) is (outcome == "applied")
+
+
+def test_a_run_that_died_with_its_problem_is_not_shown_as_recovered() -> None:
+    """A resolved notice carrying ``run_exit`` (the run crashed while the problem fired)
+    reads as a failure with the exit code, keeps paging on-call, and never says recovered."""
+    died = make_alert(id="x", status="resolved", diagnosis="memory_leak",
+                      summary="memory_leak: the run exited with code 1 at step 154 ...",
+                      summary_zh="memory_leak：训练进程在第 154 步异常退出（退出码 1）……",
+                      run_exit={"exit_code": 1, "error": "torch.OutOfMemoryError"}, step=154)
+    for lang, failed_word, recovered in (("zh", "运行异常退出", "已恢复"), ("en", "RUN FAILED", "RESOLVED")):
+        md = render_markdown(died, language=lang).text
+        assert failed_word in render_title(died, language=lang)
+        assert failed_word in md and recovered not in md and "✅" not in md and "❌" in md
+        assert ("退出码 1" if lang == "zh" else "with code 1") in md
+    assert pages([died])
+    assert not pages([make_alert(status="resolved")])  # a plain recovery pages no one
+    assert pages([make_alert()]) and not pages([make_alert(severity="warning")])
+    # A digest whose problem ended with the run's death details that death.
+    digest = render_text([make_alert(id="a", fingerprint="fp", step=150), died.__class__(
+        **{**died.to_dict(), "fingerprint": "fp"})], language="en").text
+    assert "RUN FAILED" in digest.split("Most severe")[1]
+
+
+def test_a_digest_whose_problem_recovered_still_details_what_paged() -> None:
+    """A critical episode with a breaker notice that recovered within the digest's window:
+    the line keeps the breaker tag, and the detail is the breaker notice, not the recovery."""
+    fp = {"fingerprint": "fp-leak", "diagnosis": "memory_leak"}
+    breaker = make_alert(id="b", step=150, command={"id": "c1", "action": "stop", "sent": True},
+                         **fp)
+    alerts = [make_alert(id="a", step=148, **fp), breaker,
+              make_alert(id="c", step=154, status="resolved", **fp)]
+    text = render_text(alerts, language="en").text
+    head, detail = text.split("Most severe")
+    assert "BREAKER" in head
+    assert "Circuit breaker" in detail and "RESOLVED" not in detail.splitlines()[1]
+
+
+def test_evidence_reads_right_for_non_finite_and_two_sided_checks() -> None:
+    """A value sent as the string "nan" reads NaN and a finiteness check's bound says so; a
+    two-sided check shows its range; ``unknown`` next to a specific label is not listed;
+    English plain text uses plain brackets."""
+    a = make_alert(evidence={
+        "actor/pg_loss": {"value": "nan", "baseline": 0.0049, "bound": None, "bound_kind": "finite"},
+        "actor/grad_norm": {"value": 0.038, "baseline": 0.136, "bound": 0.213,
+                            "lower_bound": 0.0931}},
+        secondary=["unknown"])
+    zh = render_markdown(a, language="zh").text
+    en = render_text(a, language="en").text
+    assert "NaN（基线 0.0049，界限 须为有限值）" in zh
+    assert "NaN (baseline 0.0049, bound must be finite)" in en
+    assert "0.0931 – 0.213" in zh
+    assert "unknown" not in zh.split("actor/grad_norm")[1] and "其他可能原因" not in zh
+    assert "【" not in en and "[Evidence" in en
+    assert "【证据" in render_text(a, language="zh").text

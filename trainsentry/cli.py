@@ -37,18 +37,48 @@ def _cmd_detect(args: argparse.Namespace) -> int:
     from detectors.catalog import load_catalog
     from detectors.engine import EngineConfig
     from detectors.offline import detect_file
+    from trainsentry.errors import ConfigError
     from trainsentry.events import AlertEvent, dumps
 
-    catalog = load_catalog(args.config)
-    config = EngineConfig(catalog=catalog, breaker_threshold=args.breaker_threshold)
-    source = sys.stdin if args.file == "-" else args.file
-    outputs = detect_file(source, run_id=args.run_id, config=config)
+    # As `trainsentry serve` reads them, so both run the same engine on the same settings.
+    catalog = load_catalog(args.config or os.environ.get("TRAINSENTRY_DETECTOR_CONFIG") or None)
+    threshold = args.breaker_threshold
+    if threshold is None:
+        raw = os.environ.get("TRAINSENTRY_BREAKER_THRESHOLD") or "3"
+        try:
+            threshold = int(raw)
+        except ValueError:
+            raise ConfigError(f"TRAINSENTRY_BREAKER_THRESHOLD={raw!r} is not an integer; "
+                              "set it to the number of critical steps (default 3)") from None
+    if threshold < 1:
+        raise ConfigError(f"breaker threshold {threshold} must be >= 1 "
+                          "(--breaker-threshold or TRAINSENTRY_BREAKER_THRESHOLD)")
+    config = EngineConfig(catalog=catalog, breaker_threshold=threshold)
+    skipped: list[str] = []
+
+    def skip(msg: str) -> None:
+        skipped.append(msg)
+        if len(skipped) <= _SHOWN_BAD_LINES:
+            print(f"trainsentry detect: warning: skipped {msg}", file=sys.stderr)
+
+    source = sys.stdin.buffer if args.file == "-" else args.file
+    outputs = detect_file(source, run_id=args.run_id, config=config,
+                          on_error=None if args.strict else skip)
     out = sys.stdout
     for o in outputs:
         if isinstance(o, AlertEvent) or args.commands:
             out.write(dumps(o).decode() + "\n")
     out.flush()
+    if skipped:
+        more = len(skipped) - _SHOWN_BAD_LINES
+        print(f"trainsentry detect: warning: {len(skipped)} bad line(s) skipped"
+              + (f" ({more} not shown)" if more > 0 else "")
+              + "; the alerts above come from the other lines (--strict: fail instead)",
+              file=sys.stderr)
     return 0
+
+
+_SHOWN_BAD_LINES = 20
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -79,12 +109,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("detect", help="run the detection engine over a recorded run",
                        description="Runs the same detection and diagnosis engine as the stream "
                        "app over a recorded run (contract MetricEvent/RunEvent lines or verl "
-                       "file-logger lines). Prints AlertEvent JSON lines in step order.")
+                       "file-logger lines). Prints AlertEvent JSON lines in step order. A bad "
+                       "line (a cut-off last line of a crashed trainer, garbage) is skipped "
+                       "with a warning on stderr naming the line.",
+                       epilog="Exit codes: 0 done (alerts or none); 2 no usable line, a "
+                       "missing file, a bad config or a bad line with --strict (the message "
+                       "says what to fix).")
     p.add_argument("file", metavar="FILE", help="JSONL file, or - for stdin")
-    p.add_argument("--run-id", help="run id for verl file-logger lines (default: the file name)")
-    p.add_argument("--config", help="YAML/JSON detector config (signals: overrides)")
-    p.add_argument("--breaker-threshold", type=int, default=3,
-                   help="consecutive critical steps before a command (default 3)")
+    p.add_argument("--run-id", help="run id for verl file-logger lines (default: the file "
+                   "name); contract events keep their own run_id")
+    p.add_argument("--config", help="YAML/JSON detector config (signals: overrides; default: "
+                   "TRAINSENTRY_DETECTOR_CONFIG, as serve)")
+    p.add_argument("--breaker-threshold", type=int, default=None,
+                   help="consecutive critical steps before a command (default: "
+                   "TRAINSENTRY_BREAKER_THRESHOLD, else 3)")
+    p.add_argument("--strict", action="store_true",
+                   help="fail (exit 2) on the first bad line instead of skipping it with a "
+                   "warning on stderr")
     p.add_argument("--commands", action="store_true",
                    help="also print the ControlCommands the service would issue (unsigned)")
     p.set_defaults(func=_cmd_detect)

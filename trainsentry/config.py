@@ -240,7 +240,9 @@ def load_settings(config_file: str | Path | None = None,
     if path:
         values.update(_read_file(Path(path)))
     for var, name in ENV_VARS.items():
-        if var in env and env[var] != "":
+        # An empty value means unset, except the topic prefix, which the contract prepends
+        # verbatim: TRAINSENTRY_TOPIC_PREFIX= gives unprefixed topics (metrics.data ...).
+        if var in env and (env[var] != "" or var == "TRAINSENTRY_TOPIC_PREFIX"):
             values[name] = _coerce(name, env[var], var)
     for name, raw in overrides.items():
         if raw is not None:

@@ -275,6 +275,9 @@ class AlertEvent:
     #: ``action`` (stop, rollback), ``to_step``, ``checkpoint_first`` and, from the stream
     #: app, ``sent`` (False: no control secret, nothing went to the trainer).
     command: dict[str, Any] | None = None
+    #: On a resolved notice: the run ended with this problem still firing, and how it
+    #: ended (``exit_code``, ``error``; either may be null). Not a recovery.
+    run_exit: dict[str, Any] | None = None
     v: int = SCHEMA_VERSION
 
     kind = "alert"
@@ -312,11 +315,12 @@ class AlertEvent:
             series=dict(_optional(obj, "series", dict, what, {})),
             summary_zh=_optional(obj, "summary_zh", str, what, None),
             command=_optional(obj, "command", dict, what, None),
+            run_exit=_optional(obj, "run_exit", dict, what, None),
         )
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        for key in ("confidence", "host", "rank", "summary_zh", "command"):
+        for key in ("confidence", "host", "rank", "summary_zh", "command", "run_exit"):
             if out[key] is None:
                 del out[key]
         if not out["series"]:

@@ -942,6 +942,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     address = f"{HOST}:{args.port}"
     if not is_running(port=args.port, data_dir=data):
         print(f"not running ({data})")
+        if _answers(address, timeout=2.0):
+            _complain(f"kafka status: but a broker answers on {address}: it was started with "
+                      "another --data-dir (pass that one to status / stop)")
         return 1
     serving = _answers(_probe_address(data, args.port))  # INTERNAL listener if secured
     protocol = _running_protocol(data)

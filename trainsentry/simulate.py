@@ -837,8 +837,20 @@ def write_jsonl(events: Iterable[Mapping[str, Any]], path: str | Path) -> int:
     """Write events as compact JSON lines (``"-"`` = stdout); returns the number written."""
     if str(path) == "-":
         return _write_lines((dumps(e).decode() for e in events), sys.stdout)
-    with open(path, "w", encoding="utf-8") as fh:
+    with _open_out(path) as fh:
         return _write_lines((dumps(e).decode() for e in events), fh)
+
+
+def _open_out(path: str | Path) -> IO[str]:
+    """``path`` opened for writing, or a TrainsentryError that says what to fix."""
+    p = Path(path)
+    if p.is_dir():
+        raise TrainsentryError(f"--out {p} is a directory; give a file name, e.g. {p / 'run.jsonl'}")
+    try:
+        return open(p, "w", encoding="utf-8")
+    except OSError as exc:
+        raise TrainsentryError(f"cannot write --out {p}: {exc.strerror or exc}; pick a "
+                               "writable path (its folder must exist)") from exc
 
 
 def _write_lines(lines: Iterable[str], fh: IO[str]) -> int:
@@ -946,7 +958,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             if out == "-":
                 _write_lines(lines, sys.stdout)
             else:
-                with open(out, "w", encoding="utf-8") as fh:
+                with _open_out(out) as fh:
                     _write_lines(lines, fh)
         else:
             write_jsonl(events, out)

@@ -51,8 +51,9 @@ class CommandVerifier:
         else:
             try:
                 raw = json.loads(value)
-            except ValueError as exc:
-                raise EventError(f"command is not valid JSON: {exc}") from exc
+            except (ValueError, TypeError, RecursionError) as exc:
+                raise EventError(f"command is not valid JSON: {type(exc).__name__}: "
+                                 f"{str(exc)[:200]}") from None
             if not isinstance(raw, dict):
                 raise EventError("command must be a JSON object")
         command = verify_command(raw, self._secret, run_id=self.run_id, now=self._clock(),
@@ -118,14 +119,17 @@ class ControlListener:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def handle(self, key: bytes | None, value: bytes) -> None:
+    def handle(self, key: bytes | None, value: bytes | None) -> None:
         """Check one record and dispatch it (public so it is testable without Kafka)."""
         if key is not None and key.decode(errors="replace") != self.run_id:
             return  # another run's command: not ours to judge or report
+        if value is None:
+            return  # a tombstone (the topic compacted or cleaned up): not a command
         try:
             command = self.verifier.check(value)
-        except (SignatureError, EventError) as exc:
-            reason = str(exc)
+        except Exception as exc:  # anything unreadable is refused, never a crash loop
+            reason = str(exc) if isinstance(exc, (SignatureError, EventError)) \
+                else f"unreadable command ({type(exc).__name__}: {str(exc)[:200]})"
             self.rejected.append(reason)
             log.warning("trainsentry: rejected control command for run %s: %s", self.run_id, reason)
             if self.on_reject is not None:

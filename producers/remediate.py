@@ -239,7 +239,7 @@ class Remediator:
             if isinstance(obj, dict):
                 command_id = obj.get("id") if isinstance(obj.get("id"), str) else None
                 action = obj.get("action") if isinstance(obj.get("action"), str) else None
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             pass
         self._reject(command_id, action, reason)
 

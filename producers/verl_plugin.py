@@ -34,6 +34,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
 import os
 import socket
 import sys
@@ -98,11 +99,16 @@ def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
+    """A positive, finite number from ``env``; anything else warns and gives ``default``."""
     try:
-        return float(env.get(name, "") or default)
+        value = float(env.get(name, "") or default)
     except ValueError:
-        log.warning("trainsentry: %s=%r is not a number; using %s", name, env.get(name), default)
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        log.warning("trainsentry: %s=%r is not a positive number; using %s", name,
+                    env.get(name), default)
         return default
+    return value
 
 
 def _checkpoint_dir(config: Mapping[str, Any] | None, env: Mapping[str, str]) -> Path | None:
@@ -358,8 +364,14 @@ def install(tracking_cls: Any = None) -> bool:
         backends = a.get("default_backend", "console")
         names = [backends] if isinstance(backends, str) else list(backends or [])
         if BACKEND_NAME in names:
-            self.logger[BACKEND_NAME] = TrainsentryBackend(
-                str(a.get("project_name")), str(a.get("experiment_name")), a.get("config"))
+            try:
+                self.logger[BACKEND_NAME] = TrainsentryBackend(
+                    str(a.get("project_name")), str(a.get("experiment_name")), a.get("config"))
+            except Exception as exc:
+                # A bad trainsentry setting must not stop a training run: say what to fix,
+                # loudly, and train without the watchdog.
+                log.error("trainsentry: NOT watching this run: %s. Fix the setting and "
+                          "restart to get alerts; training goes on without trainsentry.", exc)
 
     tracking_cls.__init__ = __init__
     if original_finish is not None:

@@ -276,3 +276,16 @@ def test_a_command_applied_before_a_restart_is_not_applied_again(tmp_path: Path)
     assert restarted.pending is None and not restarted.at_step_boundary(21).should_exit
     assert "already applied" in producer.of("command_rejected")[0]["reason"]
     assert read_tracker(ckpt) == 20
+
+
+def test_a_tombstone_or_unreadable_record_never_stops_the_next_command(wired: Any) -> None:
+    """A tombstone (value None) is ignored; a record nested too deep for the JSON parser or
+    of the wrong type is refused and reported; the signed command after them is applied."""
+    listener, rem, producer, reached = wired
+    listener.handle(RUN.encode(), None)
+    listener.handle(RUN.encode(), b'{"a":' * 100_000)
+    listener.handle(RUN.encode(), 12345)  # type: ignore[arg-type]
+    listener.handle(RUN.encode(), signed(command("stop")))
+    assert [c.action for c in reached] == ["stop"]
+    reasons = [r["reason"] for r in producer.of("command_rejected")]
+    assert len(reasons) == 2 and "not valid JSON" in reasons[0]

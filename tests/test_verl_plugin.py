@@ -326,3 +326,33 @@ def test_rollback_from_the_control_topic_is_obeyed_and_forgeries_reported(
     assert "signature" in by_type["command_rejected"]["reason"]
     assert by_type["command_applied"]["command_id"] == good["id"]
     assert by_type["run_finished"]["exit_code"] == ROLLBACK_EXIT_CODE
+
+
+def test_a_bad_trainsentry_setting_never_stops_verl_from_training(
+        offline_env: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A setting the service would refuse (TRAINSENTRY_WEB_PORT=abc) does not make verl's
+    Tracking raise: the run trains without the watchdog and the log says so and why. A
+    sample interval or flush timeout that is not a positive number falls back to its default."""
+    import logging
+
+    from verl.utils.tracking import Tracking
+
+    caplog.set_level(logging.WARNING)
+    monkeypatch.setenv("TRAINSENTRY_WEB_PORT", "abc")
+    tracking = Tracking(project_name="proj", experiment_name="bad",
+                        default_backend=["console", "trainsentry"], config={})
+    assert "trainsentry" not in tracking.logger
+    tracking.log({"actor/pg_loss": 0.5}, step=1)
+    said = [r.getMessage() for r in caplog.records if "NOT watching" in r.getMessage()]
+    assert said and "TRAINSENTRY_WEB_PORT" in said[0]
+    monkeypatch.delenv("TRAINSENTRY_WEB_PORT")
+    monkeypatch.setenv("TRAINSENTRY_FLUSH_TIMEOUT_S", "inf")
+    monkeypatch.setenv("TRAINSENTRY_SAMPLE_INTERVAL_S", "0")
+    monkeypatch.setenv("TRAINSENTRY_SAMPLER", "1")
+    tracking = Tracking(project_name="proj", experiment_name="ok",
+                        default_backend=["console", "trainsentry"], config={})
+    backend = tracking.logger["trainsentry"]
+    assert backend.flush_timeout_s == 10.0
+    assert backend.sampler is not None and backend.sampler.interval_s == 5.0
+    backend.flush_timeout_s = 0.1  # no broker here: do not wait the default 10 s
+    tracking.finish()

@@ -235,7 +235,9 @@ def command_text(alert: AlertEvent, language: str = "zh") -> str:
     else:
         zh, en = "停止训练", "stop the run"
     sent = c.get("sent")
-    key = c.get("outcome") or ("sent" if sent is True else "unsent" if sent is False else "ordered")
+    key = c.get("outcome") or ("sent" if sent is True else "stale" if c.get("stale_s") is not None
+                               else "unsent" if sent is False else "ordered")
+    minutes = f"{float(c.get('stale_s') or 0) / 60:.0f}"
     texts = {
         "applied": (f"✅ 训练进程已执行命令 {cid}（{zh}）",
                     f"✅ The trainer applied command {cid} ({en})"),
@@ -252,6 +254,12 @@ def command_text(alert: AlertEvent, language: str = "zh") -> str:
                    "TRAINSENTRY_CONTROL_SECRET：请手动处理这个运行",
                    f"⛔ Circuit breaker: command {cid} ({en}) was NOT sent, because "
                    "TRAINSENTRY_CONTROL_SECRET is not set on the service: act on the run by hand"),
+        "stale": (f"⛔ 熔断：命令 {cid}（{zh}）没有下发，因为触发它的数据已是 {minutes} 分钟前的（回放或积压，"
+                  "超过 TRAINSENTRY_COMMAND_MAX_DATA_AGE_S）：请检查这个运行，如仍异常请手动处理",
+                  f"⛔ Circuit breaker: command {cid} ({en}) was NOT sent, because the data that "
+                  f"tripped it is {minutes} min old (a replay or a backlog, over "
+                  "TRAINSENTRY_COMMAND_MAX_DATA_AGE_S): check the run and act by hand if it is "
+                  "still failing"),
         "ordered": (f"⛔ 熔断：{zh}（命令 {cid}）", f"⛔ Circuit breaker: {en} (command {cid})"),
     }
     zh_text, en_text = texts.get(key, texts["ordered"])

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -80,7 +81,11 @@ class SilenceStore:
             if value is None:
                 self.silences.pop(ident, None)
             else:
-                s = Silence.from_dict(value)
+                try:
+                    s = Silence.from_dict(value)
+                except ConfigError as exc:  # written by an older version, or by hand
+                    log.warning("ignoring silence %s on the silences topic: %s", ident, exc)
+                    return
                 self.silences[s.id] = s
         elif kind == "ack":
             if value is None:
@@ -279,7 +284,7 @@ def ensure_compacted_topic(settings: Settings, topic: str, partitions: int) -> i
             with warnings.catch_warnings(), contextlib.suppress(TopicAlreadyExistsError):
                 warnings.simplefilter("ignore", DeprecationWarning)
                 admin.create_topics([NewTopic(name=topic, num_partitions=partitions,
-                                              replication_factor=1,
+                                              replication_factor=settings.replication_factor,
                                               topic_configs={"cleanup.policy": "compact"})])
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -328,6 +333,26 @@ async def _tail(settings: Settings, topic: str, partitions: int,
 
 # ------------------------------------------------------------------------------ requests
 
+#: The labels a silence can match (notifiers.lifecycle.alert_labels).
+SILENCE_LABELS = ("run_id", "run", "diagnosis", "alertname", "severity", "fingerprint",
+                  "status", "attempt", "host", "rank")
+MAX_SILENCE_S = 90 * 86400
+
+
+def _time(body: Mapping[str, Any], key: str, default: float) -> float:
+    raw = body.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} must be a Unix time in seconds (e.g. 1764528000), got "
+                          f"{str(raw)[:40]!r}; or give a duration instead") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite Unix time in seconds")
+    return value
+
+
 def silence_from_request(body: Mapping[str, Any], *, now: float) -> Silence:
     """A Silence from a POST body: ``matchers`` (objects or ``"name=~re"`` strings) and/or
     ``run``/``run_id``, ``diagnosis``, ``severity``; ``duration`` ("2h") or ``ends_at``;
@@ -342,12 +367,21 @@ def silence_from_request(body: Mapping[str, Any], *, now: float) -> Silence:
         if body.get(key):
             matchers.append(Matcher(label, str(body[key])))
     if not matchers:
-        raise ConfigError("a silence needs matchers or one of run, diagnosis, severity")
-    starts = float(body.get("starts_at") or now)
+        raise ConfigError("a silence needs matchers or one of run, diagnosis, severity, "
+                          "fingerprint")
+    for m in matchers:  # a misspelt label would silently match nothing (or everything)
+        if m.name not in SILENCE_LABELS:
+            raise ConfigError(f"matcher {m}: no alert has a label {m.name!r}; labels: "
+                              f"{', '.join(SILENCE_LABELS)}")
+    starts = _time(body, "starts_at", now)
     if body.get("ends_at") is not None:
-        ends = float(body["ends_at"])
+        ends = _time(body, "ends_at", now)
     else:
         ends = starts + parse_duration(str(body.get("duration") or "2h"))
+    if ends - starts > MAX_SILENCE_S:
+        raise ConfigError(f"a silence of {(ends - starts) / 86400:.0f} days is longer than the "
+                          f"{MAX_SILENCE_S // 86400} days allowed; renew a shorter one when it "
+                          "ends, or fix what it mutes")
     return Silence(id=str(body.get("id") or uuid.uuid4().hex[:12]), matchers=tuple(matchers),
                    starts_at=starts, ends_at=ends, created_by=str(body.get("created_by", ""))[:100],
                    comment=str(body.get("comment", ""))[:500], created_at=now)

@@ -84,7 +84,8 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
 
     topics = settings.topics
     engine = Engine(engine_config or engine_config_for(settings))
-    pipeline = Pipeline(engine=engine, topics=topics, control_secret=settings.control_secret)
+    pipeline = Pipeline(engine=engine, topics=topics, control_secret=settings.control_secret,
+                        command_max_data_age_s=float(settings.command_max_data_age_s))
     svc = ServiceState()
     from stream_app.metrics import Recorder  # issue 7: metrics and dashboard timeline
 
@@ -94,7 +95,7 @@ def build_app(settings: Settings, *, engine_config: EngineConfig | None = None,
         broker=_broker_url(settings.kafka_bootstrap),
         store="memory://",
         topic_partitions=settings.partitions,
-        topic_replication_factor=1,
+        topic_replication_factor=settings.replication_factor,
         web_enabled=True,
         web_port=settings.web_port,
         web_bind=settings.web_host,

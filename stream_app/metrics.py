@@ -96,6 +96,21 @@ METRIC_NAMES: frozenset[str] = frozenset({
 
 # ------------------------------------------------------------------------------ hot path
 
+#: ``trainsentry_commands_applied_total`` labels take only these values, whatever text a
+#: trainer reports (free text would give every run its own series).
+_ACTIONS = ("stop", "rollback", "checkpoint", "checkpoint_then_stop")
+_RESULTS = (("rolled back", "rolled_back"), ("stopped", "stopped"),
+            ("checkpoint saved", "checkpointed"), ("superseded", "superseded"),
+            ("rejected", "rejected"))
+
+
+def _result_class(text: str) -> str:
+    """A trainer's result text as one of rolled_back, stopped, checkpointed, superseded,
+    rejected or applied."""
+    low = text.lower()
+    return next((label for prefix, label in _RESULTS if low.startswith(prefix)), "applied")
+
+
 @dataclass
 class _StepHist:
     """One run's cumulative step-duration histogram (bucket counts, sum, count)."""
@@ -144,11 +159,13 @@ class Recorder:
                                                                  "command_rejected"):
             return
         action = str(event.fields.get("action", "?"))
+        if action not in _ACTIONS:
+            action = "other"
         if event.type == "command_applied":
-            result = str(event.fields.get("result", "ok"))[:40] or "ok"
+            result = str(event.fields.get("result", "ok"))[:300] or "ok"
         else:
             result = "rejected"
-        key = (action, result)
+        key = (action, _result_class(result))  # bounded label values; the text is in the timeline
         self.commands_applied[key] = self.commands_applied.get(key, 0) + 1
         self._timeline(event.run_id).append({
             "kind": "command_applied" if event.type == "command_applied" else "command_rejected",

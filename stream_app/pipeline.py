@@ -67,9 +67,11 @@ class Pipeline:
 
     def __init__(self, *, engine: Engine, topics: Topics, control_secret: Secret,
                  max_record_bytes: int = MAX_RECORD_BYTES,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 command_max_data_age_s: float = 3600.0) -> None:
         self.engine = engine
         self._clock = clock
+        self.command_max_data_age_s = command_max_data_age_s
         self.topics = topics
         self._secret = control_secret
         self.max_record_bytes = max_record_bytes
@@ -114,13 +116,23 @@ class Pipeline:
         return self.encode(state.run_id, self.engine.tick(state, now))
 
     def encode(self, run_id: str, outputs: list[Output]) -> Outcome:
-        outputs = [self._sent_or_not(o) for o in outputs]
+        now = self._clock()
+        # The engine dates a command by the data that tripped the breaker: too old (a
+        # replay under a new app id, a long backlog) and the run has moved on since.
+        stale = {o.id: now - o.issued_at for o in outputs if isinstance(o, ControlCommand)
+                 and self.command_max_data_age_s and now - o.issued_at > self.command_max_data_age_s}
+        outputs = [self._sent_or_not(o, stale) for o in outputs]
         out = Outcome(run_id=run_id, outputs=outputs, state_changed=True)
         key = run_id.encode()
         for o in outputs:
             if isinstance(o, AlertEvent):
                 out.records.append(Record(self.topics.alerts, key, dumps(o)))
             elif isinstance(o, ControlCommand):
+                if o.id in stale:
+                    log.warning("circuit breaker tripped for run %s (%s) on data %.0f s old, over "
+                                "TRAINSENTRY_COMMAND_MAX_DATA_AGE_S=%.0f: no command published",
+                                run_id, o.reason, stale[o.id], self.command_max_data_age_s)
+                    continue
                 if not self._secret:
                     log.error("circuit breaker tripped for run %s (%s) but no control secret is "
                               "set; set TRAINSENTRY_CONTROL_SECRET to publish signed commands",
@@ -131,11 +143,22 @@ class Pipeline:
                 out.records.append(Record(self.topics.control, key, dumps(signed)))
         return out
 
-    def _sent_or_not(self, o: Output) -> Output:
+    def _sent_or_not(self, o: Output, stale: dict[str, float]) -> Output:
         """A breaker notice says whether its command really went to the trainer."""
         if not isinstance(o, AlertEvent) or o.command is None or "sent" in o.command \
                 or "outcome" in o.command:  # the trainer's answer: nothing was sent now
             return o
+        age = stale.get(str(o.command.get("id")))
+        if age is not None:
+            minutes = f"{age / 60:.0f}"
+            return replace(
+                o, command={**o.command, "sent": False, "stale_s": round(age)},
+                summary=o.summary + f"; NOT SENT: the data is {minutes} min old (a replay or a "
+                                    "backlog), over TRAINSENTRY_COMMAND_MAX_DATA_AGE_S; check the "
+                                    "run and act on it by hand if it is still failing",
+                summary_zh=(o.summary_zh or o.summary) + f"；未下发：数据已是 {minutes} 分钟前的"
+                                                         "（回放或积压），超过 TRAINSENTRY_COMMAND_"
+                                                         "MAX_DATA_AGE_S；请检查这个运行，如仍异常请手动处理")
         sent = bool(self._secret)
         if sent:
             return replace(o, command={**o.command, "sent": True})

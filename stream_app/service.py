@@ -71,7 +71,8 @@ def run_service(settings: Settings, *, workdir: str | None = None) -> int:
     security = settings_security(settings)
     wait_for_broker(settings.kafka_bootstrap, timeout=60, client_config=security)
     create_topics(bootstrap=settings.kafka_bootstrap, topics=settings.topics,
-                  partitions=settings.partitions, client_config=security)
+                  partitions=settings.partitions, replication=settings.replication_factor,
+                  client_config=security)
     if not settings.data_dir:
         settings = replace(settings, data_dir=workdir or tempfile.mkdtemp(prefix="trainsentry-worker-"))
     engine_config = engine_config_for(settings, load_catalog(settings.detector_config or None))

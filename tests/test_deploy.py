@@ -211,6 +211,9 @@ def test_compose_runs_kafka_kraft_workers_prometheus_and_grafana() -> None:
         env = svcs[name]["environment"]
         assert set(env) <= set(ENV_VARS), set(env) - set(ENV_VARS)
         assert env["TRAINSENTRY_WEB_HOST"] == "0.0.0.0"
+        assert svcs[name]["restart"] == "unless-stopped"  # exit 70 relies on a restart
+    # The dashboard is a worker of the same group: it must run on the same settings.
+    assert svcs["dashboard"]["environment"] == svcs["trainsentry"]["environment"]
     for name in ("prometheus", "grafana"):
         for mount in svcs[name]["volumes"]:
             src = mount.split(":")[0]

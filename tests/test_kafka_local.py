@@ -426,3 +426,25 @@ def test_stop_stops_the_broker_and_removes_the_pid_file(broker: dict[str, Any]) 
     assert not kafka_local._alive(pid)
     assert not kafka_local.is_running(port=broker["port"], data_dir=broker["data_dir"])
     assert kafka_local.stop(port=broker["port"], data_dir=broker["data_dir"]) is False
+
+
+@pytest.mark.kafka
+def test_serve_with_a_replication_factor_above_the_brokers_says_what_to_fix(
+        kafka_bootstrap: str, topic_prefix: str) -> None:
+    """TRAINSENTRY_REPLICATION_FACTOR reaches topic creation: 2 on the single-node broker
+    stops `trainsentry serve` at start with exit 2 and the variable to fix."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "TRAINSENTRY_KAFKA_BOOTSTRAP": kafka_bootstrap,
+           "TRAINSENTRY_TOPIC_PREFIX": topic_prefix, "TRAINSENTRY_WEB_PORT": str(port),
+           "TRAINSENTRY_REPLICATION_FACTOR": "2", "TRAINSENTRY_APP_ID": f"rf-{topic_prefix}"}
+    done = subprocess.run([sys.executable, "-m", "trainsentry.cli", "serve"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "TRAINSENTRY_REPLICATION_FACTOR" in done.stderr and "replication factor 2" in done.stderr

@@ -320,3 +320,21 @@ def test_ready_only_once_partitions_are_assigned_and_their_state_restored() -> N
     m = _scrape(svc)
     assert _one(m, "trainsentry_ready") == 1 and _one(m, "trainsentry_recovering") == 0
     assert svc.serving
+
+
+def test_command_results_become_a_few_label_values_and_the_text_stays_in_the_timeline() -> None:
+    """A trainer's free-text result must not make a series per run: it is classed into a
+    fixed set of label values; the timeline keeps the text."""
+    from stream_app.metrics import Recorder
+    from trainsentry.events import RunEvent
+
+    rec = Recorder()
+    for i, (action, text) in enumerate([("rollback", "rolled back to step 30 from step 52; x"),
+                                        ("rollback", "rolled back to step 10 from step 14; y"),
+                                        ("stop", "stopped at step 9; checkpoint saved"),
+                                        ("weird", "done, somehow")]):
+        rec.on_event(RunEvent(run_id=f"r{i}", type="command_applied", ts=1.0,
+                              fields={"action": action, "result": text, "command_id": str(i)}))
+    assert rec.commands_applied == {("rollback", "rolled_back"): 2, ("stop", "stopped"): 1,
+                                    ("other", "applied"): 1}
+    assert rec.timelines["r0"][-1]["result"].startswith("rolled back to step 30")

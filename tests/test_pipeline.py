@@ -16,8 +16,9 @@ from trainsentry.signing import verify_command
 TOPICS = Topics("trainsentry.")
 
 
-def _pipeline(secret: str = "k") -> Pipeline:
-    return Pipeline(engine=Engine(), topics=TOPICS, control_secret=Secret(secret))
+def _pipeline(secret: str = "k", **kw: object) -> Pipeline:
+    return Pipeline(engine=Engine(), topics=TOPICS, control_secret=Secret(secret),
+                    clock=lambda: 100.0, **kw)  # type: ignore[arg-type]
 
 
 GOOD = {"v": 1, "run_id": "r", "step": 1, "ts": 1.0, "layer": "data", "metrics": {"x": 1.0}}
@@ -92,3 +93,20 @@ def test_a_breaker_notice_says_whether_its_command_was_sent(secret: str) -> None
         assert "NOT SENT: TRAINSENTRY_CONTROL_SECRET is not set" in alerts[0]["summary"]
         assert "未下发" in alerts[0]["summary_zh"]
         assert [r.topic for r in outcome.records] == [TOPICS.alerts]
+
+
+@pytest.mark.parametrize("limit, published", [(3600.0, False), (0.0, True), (7200.0, True)])
+def test_no_command_for_data_older_than_the_limit(limit: float, published: bool) -> None:
+    """A breaker tripped on data an hour and a half old (a replay under a new app id, a long
+    backlog) publishes no command; its notice says why and what to do. 0 turns the limit off."""
+    from notifiers.templates import command_text
+
+    cmd = ControlCommand(id="c", run_id="r", action="stop", reason="x", issued_at=100.0 - 5400)
+    outcome = _pipeline("k", command_max_data_age_s=limit).encode("r", [cmd, _notice()])
+    assert any(r.topic == TOPICS.control for r in outcome.records) is published
+    notice = outcome.outputs[1]
+    assert notice.command["sent"] is published
+    if not published:
+        assert notice.command["stale_s"] == 5400 and "90 min old" in notice.summary
+        assert "90 分钟前" in (notice.summary_zh or "")
+        assert "was NOT sent" in command_text(notice, "en") and "90 min old" in command_text(notice, "en")

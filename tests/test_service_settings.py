@@ -152,3 +152,16 @@ def test_an_empty_topic_prefix_is_kept_verbatim() -> None:
     assert s.topic_prefix == "" and s.topics.data == "metrics.data"
     assert s.language == "zh"
     assert load_settings(env={}).topics.data == "trainsentry.metrics.data"
+
+
+def test_replication_factor_and_command_data_age_are_validated() -> None:
+    """TRAINSENTRY_REPLICATION_FACTOR (default 1) and TRAINSENTRY_COMMAND_MAX_DATA_AGE_S
+    (default 1 h, 0 = no limit, else >= 60 s) name the variable when refused."""
+    default = load_settings(env={})
+    assert default.replication_factor == 1 and default.command_max_data_age_s == 3600
+    assert load_settings(env={"TRAINSENTRY_REPLICATION_FACTOR": "3"}).replication_factor == 3
+    assert load_settings(env={"TRAINSENTRY_COMMAND_MAX_DATA_AGE_S": "0"}).command_max_data_age_s == 0
+    with pytest.raises(ConfigError, match="TRAINSENTRY_REPLICATION_FACTOR"):
+        load_settings(env={"TRAINSENTRY_REPLICATION_FACTOR": "0"})
+    with pytest.raises(ConfigError, match="TRAINSENTRY_COMMAND_MAX_DATA_AGE_S"):
+        load_settings(env={"TRAINSENTRY_COMMAND_MAX_DATA_AGE_S": "30"})

@@ -95,6 +95,9 @@ class Settings:
     kafka_bootstrap: str = "127.0.0.1:9092"
     topic_prefix: str = "trainsentry."
     partitions: int = 4
+    #: Replication factor of every topic the service creates (contract topics, its table
+    #: changelogs, silences, alert history): 3 on a production cluster, 1 on one broker.
+    replication_factor: int = 1
     dingtalk_url: Secret = field(default_factory=lambda: Secret(""))
     dingtalk_secret: Secret = field(default_factory=lambda: Secret(""))
     wecom_url: Secret = field(default_factory=lambda: Secret(""))
@@ -111,6 +114,9 @@ class Settings:
     idle_run_retention_s: int = 7 * 86400  #: drop an unfinished run's state after this silence
     event_loop: str = "auto"  #: auto (uvloop when installed), uvloop, asyncio
     recovery_stall_s: int = 600  #: restart the worker after a table recovery this long stuck (0: never)
+    #: The breaker publishes no stop / rollback for data older than this (a replay under a
+    #: new app id, a long backlog): the notice says so instead (0: no limit).
+    command_max_data_age_s: int = 3600
     # Kafka security (SASL/SSL clusters); empty = PLAINTEXT.
     kafka_security_protocol: str = "PLAINTEXT"
     kafka_sasl_mechanism: str = ""
@@ -156,6 +162,8 @@ ENV_VARS: dict[str, str] = {
     "TRAINSENTRY_WEBHOOK_URL": "webhook_url",
     "TRAINSENTRY_WEB_HOST": "web_host",
     "TRAINSENTRY_PARTITIONS": "partitions",
+    "TRAINSENTRY_REPLICATION_FACTOR": "replication_factor",
+    "TRAINSENTRY_COMMAND_MAX_DATA_AGE_S": "command_max_data_age_s",
     "TRAINSENTRY_LANGUAGE": "language",
     "TRAINSENTRY_APP_ID": "app_id",
     "TRAINSENTRY_DATA_DIR": "data_dir",
@@ -210,6 +218,9 @@ def _validate(s: Settings) -> Settings:
         raise ConfigError(f"web_port must be 1..65535, got {s.web_port} (TRAINSENTRY_WEB_PORT)")
     if s.partitions < 1:
         raise ConfigError(f"partitions must be >= 1, got {s.partitions} (TRAINSENTRY_PARTITIONS)")
+    if s.replication_factor < 1:
+        raise ConfigError(f"replication_factor must be >= 1, got {s.replication_factor} "
+                          "(TRAINSENTRY_REPLICATION_FACTOR; 3 on a production cluster)")
     if s.breaker_threshold < 1:
         raise ConfigError("breaker_threshold must be >= 1 (TRAINSENTRY_BREAKER_THRESHOLD)")
     if s.event_loop not in ("auto", "uvloop", "asyncio"):
@@ -221,6 +232,7 @@ def _validate(s: Settings) -> Settings:
             ("idle_run_retention_s", 3600, False,
              ": a shorter one could drop a run before its hang is reported"),
             ("recovery_stall_s", 60, True, " (0: never restart)"),
+            ("command_max_data_age_s", 60, True, " (0: no limit)"),
             ("alert_book_retention_s", 1, False, "; keep it at an hour or more in production")):
         value = getattr(s, name)
         if value < least and not (zero_ok and value == 0):

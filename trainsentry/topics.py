@@ -148,7 +148,8 @@ def create_topics(*, bootstrap: str, topics: Topics, partitions: int = 4, replic
         except InvalidReplicationFactorError as exc:
             raise ConfigError(
                 f"replication factor {replication} is larger than the number of brokers at "
-                f"{bootstrap}; use --replication 1 on a single-node broker"
+                f"{bootstrap}; use 1 on a single-node broker (TRAINSENTRY_REPLICATION_FACTOR "
+                "for trainsentry serve, --replication for topics create)"
             ) from exc
         except TopicAlreadyExistsError:
             pass  # another worker created them first: exactly what we wanted
@@ -192,7 +193,9 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     create.add_argument("--prefix", default=None,
                         help="topic prefix (TRAINSENTRY_TOPIC_PREFIX or 'trainsentry.')")
     create.add_argument("--partitions", type=int, default=4, help="partitions per topic (4)")
-    create.add_argument("--replication", type=int, default=1, help="replication factor (1)")
+    create.add_argument("--replication", type=int, default=None,
+                        help="replication factor (TRAINSENTRY_REPLICATION_FACTOR or 1; 3 on a "
+                        "production cluster)")
     create.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (30)")
     create.set_defaults(func=_cmd_create)
 
@@ -200,12 +203,13 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 def _cmd_create(args: argparse.Namespace) -> int:
     # The entry point reads the environment (bootstrap, prefix and the TRAINSENTRY_KAFKA_*
     # security settings); the library functions never do.
-    settings = load_settings(kafka_bootstrap=args.bootstrap, topic_prefix=args.prefix)
+    settings = load_settings(kafka_bootstrap=args.bootstrap, topic_prefix=args.prefix,
+                             replication_factor=args.replication)
     topics = settings.topics
     security = settings_security(settings)
     wait_for_broker(settings.kafka_bootstrap, timeout=args.timeout, client_config=security)
     created = create_topics(bootstrap=settings.kafka_bootstrap, topics=topics,
-                            partitions=args.partitions, replication=args.replication,
+                            partitions=args.partitions, replication=settings.replication_factor,
                             timeout=args.timeout, client_config=security)
     for name in topics.all():
         print(f"{'created' if name in created else 'exists '} {name}", file=sys.stderr)
